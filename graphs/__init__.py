@@ -1,0 +1,1 @@
+"""CUDA-graph runner for the SDM op on CuPy stream capture (SPEC §8). Under construction."""

@@ -1,0 +1,1 @@
+"""Compute backends of sdm_cupy: the Numba CPU backend (cpu) and the CUDA C++ kernels (gpu)."""

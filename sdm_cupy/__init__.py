@@ -1,0 +1,42 @@
+"""sdm-cupy: the sparse delta memory write/read op and its hand-coded backward on CuPy (GPU)
+and NumPy (CPU) arrays.
+
+    import sdm_cupy as sdm
+    cfg = sdm.SDMConfig(num_memory_slots=S, num_parallel=P, chunk_size=64)
+    res = sdm.forward(bank, write_idx, write_w, values, beta, read_idx, read_w, cfg)
+    g = sdm.backward(res.saved, grad_readings)
+"""
+
+from .api import (ForwardResult, Gradients, SavedState, backward, expand_memory_batch, forward,
+                  sum_memory_batch)
+from .config import SNAPSHOT_QUANT_MODES, SDMConfig, UnsupportedConfigurationError
+from .interop import from_dlpack, to_dlpack
+from .state import LayerState
+from . import reference
+
+__version__ = "0.1.0"
+
+__all__ = ["SDMConfig", "forward", "backward", "ForwardResult", "Gradients", "SavedState",
+           "expand_memory_batch", "sum_memory_batch", "LayerState",
+           "UnsupportedConfigurationError", "SNAPSHOT_QUANT_MODES", "from_dlpack", "to_dlpack",
+           "check_device_errors", "gpu_available"]
+
+
+def gpu_available() -> bool:
+    """True when CuPy is installed and sees a CUDA device (never raises)."""
+    try:
+        import cupy
+        return bool(cupy.cuda.is_available())
+    except Exception:  # noqa: BLE001 - no CuPy, no driver: no GPU
+        return False
+
+
+def check_device_errors(reset: bool = True) -> None:
+    """Raises ValueError if a GPU kernel met a slot id outside [0, S) since the last check
+    (calls with ``check_indices=False`` skip such ids instead of touching memory out of
+    bounds). Synchronises with the device. A no-op without CuPy."""
+    import sys
+    if "cupy" not in sys.modules or not gpu_available():
+        return
+    from .kernels import gpu
+    gpu.check_device_errors(reset=reset)

@@ -1,0 +1,226 @@
+"""The functional op: ``forward`` and ``backward`` on NumPy (CPU) or CuPy (GPU) arrays.
+
+``forward`` validates (``_validate``), normalises the arguments (contiguous arrays, weights in
+the compute dtype, one index dtype), picks the backend from the array type and runs its
+``sdm_fwd``; ``backward`` runs the backend's ``sdm_bwd``, which rewinds the bank in place.
+The backends (``sdm_cupy.kernels.cpu``, ``sdm_cupy.kernels.gpu``) only compute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import numpy as np
+
+from . import _validate as V
+from .config import SDMConfig
+
+__all__ = ["forward", "backward", "ForwardResult", "Gradients", "SavedState",
+           "expand_memory_batch", "sum_memory_batch"]
+
+
+def backend_for(xp):
+    """The backend module for an array module (numpy -> Numba CPU, cupy -> CUDA)."""
+    if xp is np:
+        from .kernels import cpu
+        return cpu
+    from .kernels import gpu
+    return gpu
+
+
+@dataclasses.dataclass
+class ForwardResult:
+    """What ``forward`` returns.
+
+    Attributes:
+        readings: [B, T, D] in the dtype of ``values``.
+        bank: [B*S, D], the final bank: the caller's ``bank`` itself when ``inplace=True``,
+            else a new array. ``backward`` rewinds it in place to the initial bank.
+        saved: the state ``backward`` consumes, or None when ``needs_backward=False``.
+    """
+
+    readings: object
+    bank: object
+    saved: "SavedState | None"
+
+
+@dataclasses.dataclass
+class Gradients:
+    """Gradients returned by ``backward``; each in its input's dtype, except ``bank``, which
+    is float32 with ``grad_bank_fp32=True`` (float64 for float64 calls), else the bank dtype."""
+
+    bank: object
+    write_w: object
+    values: object
+    beta: object
+    read_w: object
+
+
+class SavedState:
+    """What a forward keeps for its backward: the layout, the config, the final bank (the very
+    array in ``ForwardResult.bank``), the inputs and the snapshot rows. Consumed by the first
+    ``backward``; the inputs must not be modified in between (they are read, not copied)."""
+
+    def __init__(self, backend, lay, config, bank, inputs, snapshots, input_dtypes):
+        self.backend, self.layout, self.config = backend, lay, config
+        self.bank, self.inputs, self.snapshots = bank, inputs, snapshots
+        self.input_dtypes = input_dtypes
+        self._lock = threading.Lock()
+        self._consumed = False
+
+    @property
+    def consumed(self) -> bool:
+        return self._consumed
+
+    def _take(self):
+        with self._lock:
+            if self._consumed:
+                raise RuntimeError(
+                    "sdm_cupy.backward: this saved state was already consumed by an earlier "
+                    "backward (which rewound the bank in place); run forward again to get a "
+                    "new one")
+            self._consumed = True
+        snapshots, self.snapshots = self.snapshots, None
+        return snapshots
+
+    @property
+    def nbytes(self) -> int:
+        """Device or host bytes held by the snapshots."""
+        if self.snapshots is None:
+            return 0
+        return int(sum(a.nbytes for a in self.snapshots if a is not None))
+
+
+def _contiguous(xp, x, dtype=None):
+    if dtype is not None and np.dtype(x.dtype) != np.dtype(dtype):
+        return xp.ascontiguousarray(x.astype(dtype))
+    return xp.ascontiguousarray(x)
+
+
+def forward(bank, write_idx, write_w, values, beta, read_idx, read_w, config: SDMConfig, *,
+            needs_backward: bool = True, inplace: bool = False, check_indices: bool = True):
+    """Runs the SDM write/read of SPEC §2 over T tokens.
+
+    Args:
+        bank: [B*S, D] initial memory, batch-major (float64/32/16 or bfloat16).
+        write_idx, read_idx: [B, T, P, W] slot ids in [0, S) (int32 or int64).
+        write_w, read_w: [B, T, P, W] address weights a and c.
+        values: [B, T, D] values v; beta: [B, T, P] write strengths.
+        config: an ``SDMConfig`` (S, P, chunk size, snapshot mode, grad-bank dtype).
+        needs_backward: save the snapshot rows a ``backward`` needs; False saves nothing.
+        inplace: write the final bank into ``bank`` itself (it must be C-contiguous); else
+            the final bank is a new array and ``bank`` is left as it was.
+        check_indices: range-check the indices first. On CuPy arrays this is one host sync;
+            pass False in code that must be capturable. Kernels never touch memory out of
+            bounds either way: an out-of-range id is skipped and recorded in a device-side
+            flag that ``sdm_cupy.check_device_errors()`` reports.
+
+    Returns:
+        ForwardResult(readings [B, T, D] in the dtype of ``values``, bank, saved).
+
+    Raises:
+        TypeError: a non-array, mixed NumPy/CuPy arrays, a wrong dtype.
+        ValueError: a wrong rank or shape, mismatched B/T/P/W, D not divisible by P, bank rows
+            != B*S, a slot id outside [0, S).
+        UnsupportedConfigurationError: a snapshot mode the backend cannot serve.
+        Nothing is modified when any of these is raised.
+
+    Example:
+        >>> cfg = SDMConfig(num_memory_slots=S, num_parallel=P, chunk_size=64)
+        >>> res = forward(bank, wi, ww, v, beta, ri, rw, cfg)
+        >>> g = backward(res.saved, grad_readings)
+    """
+    named = dict(bank=bank, write_idx=write_idx, write_w=write_w, values=values, beta=beta,
+                 read_idx=read_idx, read_w=read_w)
+    xp = V.common_module(named)
+    lay = V.layout(bank, write_idx, write_w, values, beta, read_idx, read_w, config)
+    backend = backend_for(xp)
+    if needs_backward:
+        V.check_snapshot_quant(lay, config.snapshot_quant)
+        backend.check_config(lay, config)
+    if check_indices:
+        V.check_index_range("write_idx", write_idx, lay.S)
+        V.check_index_range("read_idx", read_idx, lay.S)
+    if inplace and not bank.flags.c_contiguous:
+        raise ValueError("bank must be C-contiguous when inplace=True")
+    wd, idx = lay.weight_dtype, lay.index_dtype
+    inputs = (_contiguous(xp, write_idx, idx), _contiguous(xp, write_w, wd),
+              _contiguous(xp, values), _contiguous(xp, beta, wd),
+              _contiguous(xp, read_idx, idx), _contiguous(xp, read_w, wd))
+    out_bank = bank if inplace else xp.array(bank, order="C", copy=True)
+    readings, snapshots = backend.sdm_fwd(lay, config, out_bank, *inputs,
+                                          save_snapshots=needs_backward)
+    saved = None
+    if needs_backward:
+        dtypes = tuple(np.dtype(x.dtype) for x in (write_w, values, beta, read_w))
+        saved = SavedState(backend, lay, config, out_bank, inputs, snapshots, dtypes)
+    return ForwardResult(readings=readings, bank=out_bank, saved=saved)
+
+
+def backward(saved: SavedState, grad_readings, grad_bank=None) -> Gradients:
+    """Gradients of a forward (SPEC §4), rewinding its final bank in place.
+
+    Args:
+        saved: ``ForwardResult.saved``. Consumed: a second backward on it raises.
+        grad_readings: [B, T, D] gradient of the readings.
+        grad_bank: optional [B*S, D] gradient of the final bank (zero when None).
+
+    Returns:
+        Gradients(bank, write_w, values, beta, read_w). Indices get none.
+        ``ForwardResult.bank`` holds the initial bank again afterwards (exactly with
+        ``snapshot_quant=None``, up to the quantization error otherwise).
+
+    Raises:
+        TypeError / ValueError: gradients of the wrong array type, shape or dtype;
+        RuntimeError: the state was consumed already. Nothing is modified then.
+    """
+    if not isinstance(saved, SavedState):
+        raise TypeError("saved must be the ForwardResult.saved of a forward with "
+                        f"needs_backward=True, got {type(saved).__name__}")
+    lay = saved.layout
+    xp = V.array_module(saved.bank)
+    V.check_grad("grad_readings", grad_readings, (lay.B, lay.T, lay.D), "[B, T, D]", xp)
+    V.check_grad("grad_bank", grad_bank, (lay.B * lay.S, lay.D), "[B*S, D]", xp)
+    if saved.consumed:
+        saved._take()  # raises
+    dr = _contiguous(xp, grad_readings, lay.value_dtype)
+    dM = None
+    if grad_bank is not None:
+        dM = xp.array(grad_bank, dtype=lay.grad_bank_dtype, order="C", copy=True)
+    snapshots = saved._take()
+    grads = saved.backend.sdm_bwd(lay, saved.config, saved.bank, saved.inputs, snapshots, dr, dM)
+    d_bank, d_ww, d_v, d_beta, d_rw = grads
+    dt_ww, dt_v, dt_beta, dt_rw = saved.input_dtypes
+    saved.inputs = None
+    return Gradients(bank=d_bank, write_w=_as(d_ww, dt_ww), values=_as(d_v, dt_v),
+                     beta=_as(d_beta, dt_beta), read_w=_as(d_rw, dt_rw))
+
+
+def _as(x, dtype):
+    return x if np.dtype(x.dtype) == dtype else x.astype(dtype)
+
+
+def expand_memory_batch(param, batch: int):
+    """[S, D] -> [B*S, D]: ``batch`` copies of a learned initial bank (SPEC §6)."""
+    xp = V.array_module(param)
+    if param.ndim != 2:
+        raise ValueError(f"param must have rank 2 [S, D], got shape {tuple(param.shape)}")
+    V._dtype_of("param", param, V.FLOAT_DTYPES, "float")
+    if isinstance(batch, bool) or int(batch) != batch or batch < 1:
+        raise ValueError(f"batch must be an int >= 1, got {batch!r}")
+    return backend_for(xp).expand_memory_batch(xp.ascontiguousarray(param), int(batch))
+
+
+def sum_memory_batch(grad_bank, num_memory_slots: int):
+    """[B*S, D] -> [S, D]: the sum over the B copies, the gradient of ``param`` (SPEC §6).
+    The result has the dtype of ``grad_bank`` (accumulated in float32 at least)."""
+    xp = V.array_module(grad_bank)
+    if grad_bank.ndim != 2:
+        raise ValueError(f"grad_bank must have rank 2 [B*S, D], got shape {tuple(grad_bank.shape)}")
+    V._dtype_of("grad_bank", grad_bank, V.FLOAT_DTYPES, "float")
+    S = int(num_memory_slots)
+    if S < 1 or grad_bank.shape[0] % S:
+        raise ValueError(f"grad_bank rows ({grad_bank.shape[0]}) must be a positive multiple of "
+                         f"num_memory_slots ({num_memory_slots})")
+    return backend_for(xp).sum_memory_batch(xp.ascontiguousarray(grad_bank), S)

@@ -1,0 +1,104 @@
+"""Shared test helpers: random problems, comparisons, array-module handling."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+
+import sdm_cupy as sdm
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = {"f64": np.float64, "f32": np.float32, "f16": np.float16, "bf16": BF16}
+
+
+@dataclasses.dataclass
+class Problem:
+    B: int
+    T: int
+    P: int
+    hd: int
+    S: int
+    W: int
+    bank: np.ndarray
+    write_idx: np.ndarray
+    write_w: np.ndarray
+    values: np.ndarray
+    beta: np.ndarray
+    read_idx: np.ndarray
+    read_w: np.ndarray
+
+    @property
+    def inputs(self):
+        return (self.write_idx, self.write_w, self.values, self.beta, self.read_idx, self.read_w)
+
+    def args(self):
+        return (self.bank, *self.inputs)
+
+    def to(self, xp):
+        """The same problem on another array module (cupy)."""
+        conv = (lambda a: xp.asarray(a)) if xp is not np else (lambda a: a)
+        return dataclasses.replace(self, **{f: conv(getattr(self, f)) for f in
+                                            ("bank", "write_idx", "write_w", "values", "beta",
+                                             "read_idx", "read_w")})
+
+
+def make_problem(rng, B=2, T=20, P=2, hd=8, S=32, W=3, dtype=np.float64, weight_dtype=None,
+                 index_dtype=np.int32, repeat=False, value_dtype=None) -> Problem:
+    """Random inputs of SPEC §1. ``repeat`` forces repeated slots within and across tokens.
+    Weights are scaled so that the recurrence stays bounded (|beta * |k|^2| < 2)."""
+    dtype = np.dtype(dtype)
+    wdt = np.dtype(weight_dtype or (np.float64 if dtype == np.float64 else np.float32))
+    vdt = np.dtype(value_dtype or dtype)
+    D = P * hd
+    if repeat:
+        pool = rng.integers(0, S, size=max(1, min(S, 3)))
+        widx = rng.choice(pool, size=(B, T, P, W))
+        ridx = rng.choice(pool, size=(B, T, P, W))
+    else:
+        widx = rng.integers(0, S, size=(B, T, P, W))
+        ridx = rng.integers(0, S, size=(B, T, P, W))
+    a = rng.uniform(-1, 1, size=(B, T, P, W)) / np.sqrt(W)
+    c = rng.normal(size=(B, T, P, W))
+    beta = rng.uniform(0.1, 0.9, size=(B, T, P))
+    if repeat:
+        beta = beta / W  # repeated slots add up in |k|^2
+    return Problem(B, T, P, hd, S, W,
+                   bank=rng.normal(size=(B * S, D)).astype(dtype),
+                   write_idx=widx.astype(index_dtype), write_w=a.astype(wdt),
+                   values=rng.normal(size=(B, T, D)).astype(vdt), beta=beta.astype(wdt),
+                   read_idx=ridx.astype(index_dtype), read_w=c.astype(wdt))
+
+
+def to_numpy(x):
+    if hasattr(x, "get"):
+        x = x.get()
+    return np.asarray(x)
+
+
+def rel_err(got, want) -> float:
+    """Relative RMS error ||got - want|| / ||want|| in float64."""
+    got = to_numpy(got).astype(np.float64)
+    want = to_numpy(want).astype(np.float64)
+    denom = np.sqrt(np.mean(want ** 2))
+    return float(np.sqrt(np.mean((got - want) ** 2)) / (denom if denom > 0 else 1.0))
+
+
+def assert_close(got, want, rtol, name=""):
+    """Relative RMS within ``rtol``, no NaN, with a message naming what was compared."""
+    g = to_numpy(got).astype(np.float64)
+    w = to_numpy(want).astype(np.float64)
+    assert g.shape == w.shape, f"{name}: shape {g.shape} != {w.shape}"
+    assert not np.isnan(g).any(), f"{name}: NaN in result"
+    err = rel_err(g, w)
+    maxabs = float(np.max(np.abs(g - w))) if g.size else 0.0
+    assert err <= rtol, f"{name}: relative RMS error {err:.3e} > {rtol:.1e} (max abs {maxabs:.3e})"
+
+
+def reference_fwd(pb: Problem):
+    return sdm.reference.forward(pb.bank, *pb.inputs, pb.S, pb.P)
+
+
+def reference_bwd(pb: Problem, dr, dM=None):
+    return sdm.reference.backward(pb.bank, *pb.inputs, pb.S, pb.P, dr, dM)
