@@ -1,0 +1,486 @@
+"""The op through the public API, held to the float64 reference (SPEC §1, §2, §4, §5, §7).
+
+Every test takes the ``xp`` fixture (numpy -> the Numba CPU backend, cupy -> the CUDA backend)
+unless it says otherwise, so the same assertions hold both backends to ``sdm_cupy.reference``.
+Float64 calls must match the reference to 1e-9 relative RMS; lower precisions to the measured
+tolerances stated next to each test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import sdm_cupy as sdm
+from helpers import (BF16, assert_close, make_problem, reference_bwd, reference_fwd, rel_err,
+                     to_numpy)
+
+GRAD_NAMES = ("bank", "write_w", "values", "beta", "read_w")
+ARG_NAMES = ("bank", "write_idx", "write_w", "values", "beta", "read_idx", "read_w")
+F64_RTOL = 1e-9
+F32_RTOL = 1e-4
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def assert_bitwise(got, want, name):
+    """Same shape, dtype and bytes (NaN-safe, works for bfloat16)."""
+    g, w = to_numpy(got), to_numpy(want)
+    assert g.dtype == w.dtype, f"{name}: dtype {g.dtype} != {w.dtype}"
+    assert g.shape == w.shape, f"{name}: shape {g.shape} != {w.shape}"
+    gb = np.ascontiguousarray(g).view(np.uint8)
+    wb = np.ascontiguousarray(w).view(np.uint8)
+    if not np.array_equal(gb, wb):
+        diff = np.abs(g.astype(np.float64) - w.astype(np.float64))
+        pytest.fail(f"{name}: not bitwise equal ({int((diff != 0).sum())} entries differ, "
+                    f"max abs {float(np.nanmax(diff)):.3e})")
+
+
+def random_grads(rng, pb, grad_bank=True):
+    """dr in the values' dtype (so the reference sees the very values the backend gets) and
+    dM in float64 for float64 calls, else float32."""
+    dr = rng.normal(size=pb.values.shape).astype(pb.values.dtype)
+    if not grad_bank:
+        return dr, None
+    f64 = np.dtype(np.float64) in (pb.bank.dtype, pb.values.dtype)
+    dM = rng.normal(size=pb.bank.shape).astype(np.float64 if f64 else np.float32)
+    return dr, dM
+
+
+def run_op(xp, pb, cfg, dr, dM=None, **kw):
+    """forward then backward on ``xp``; returns (res, grads, initial bank as NumPy)."""
+    p = pb.to(xp)
+    bank0 = to_numpy(p.bank).copy()
+    res = sdm.forward(p.bank, *p.inputs, cfg, **kw)
+    readings, final = to_numpy(res.readings).copy(), to_numpy(res.bank).copy()
+    g = sdm.backward(res.saved, xp.asarray(dr), None if dM is None else xp.asarray(dM))
+    return res, readings, final, g, bank0
+
+
+def check_vs_reference(xp, pb, cfg, dr, dM, rtol, grad_rtol=None, exact_rewind=True):
+    """Readings, final bank and every gradient against the reference; the bank after backward
+    against the initial bank (bitwise when ``exact_rewind``). Returns the measured errors."""
+    grad_rtol = rtol if grad_rtol is None else grad_rtol
+    res, readings, final, g, bank0 = run_op(xp, pb, cfg, dr, dM)
+    r_ref, M_ref = reference_fwd(pb)
+    assert_close(readings, r_ref, rtol, "readings")
+    assert_close(final, M_ref, rtol, "final bank")
+    want = reference_bwd(pb, dr, dM)
+    errs = {"readings": rel_err(readings, r_ref), "final bank": rel_err(final, M_ref)}
+    for name, w in zip(GRAD_NAMES, want):
+        got = getattr(g, name)
+        assert_close(got, w, grad_rtol, f"grad {name}")
+        errs[f"grad {name}"] = rel_err(got, w)
+    if exact_rewind:
+        assert_bitwise(res.bank, bank0, "bank after backward (rewound)")
+    return errs
+
+
+def cfg_for(pb, C=64, **kw):
+    return sdm.SDMConfig(num_memory_slots=pb.S, num_parallel=pb.P, chunk_size=C, **kw)
+
+
+# ----------------------------------------------------------------------------- float64 cases
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    B: int = 2
+    T: int = 20
+    P: int = 2
+    hd: int = 8
+    S: int = 32
+    W: int = 3
+    C: int = 8
+    repeat: bool = False
+    index_dtype: type = np.int32
+
+
+CASES = {
+    "base-T20-C8": Case(),
+    "T1": Case(T=1, C=64),
+    "T1-C1": Case(T=1, C=1),
+    "T63-C64-partial-chunk": Case(B=1, T=63, C=64),
+    "T64-C64-one-full-chunk": Case(B=1, T=64, C=64),
+    "T100-C64-full-plus-partial": Case(B=1, T=100, C=64),
+    "T100-C16": Case(B=1, T=100, C=16),
+    "C1": Case(T=20, C=1),
+    "C7-not-a-divisor": Case(T=20, C=7),
+    "C-larger-than-T": Case(T=5, C=64),
+    "W1": Case(W=1),
+    "W16-many-overlaps": Case(W=16, S=24, T=16, C=8),
+    "repeated-slots": Case(W=4, S=16, T=30, C=8, repeat=True),
+    "repeated-slots-C1": Case(W=4, S=16, T=12, C=1, repeat=True),
+    "repeated-slots-one-chunk": Case(W=3, S=8, T=24, C=64, repeat=True),
+    "B1-P1": Case(B=1, P=1),
+    "S1": Case(S=1, W=2, repeat=True),
+    "hd1": Case(hd=1),
+    "hd60": Case(hd=60, T=24),
+    "P4-hd4": Case(P=4, hd=4),
+    "S50000-large": Case(S=50000, T=6, W=4, C=4),
+    "int64-indices": Case(index_dtype=np.int64),
+    "int64-indices-repeated": Case(W=4, S=16, repeat=True, index_dtype=np.int64),
+}
+
+
+def problem(rng, case: Case, **kw):
+    return make_problem(rng, B=case.B, T=case.T, P=case.P, hd=case.hd, S=case.S, W=case.W,
+                        repeat=case.repeat, index_dtype=case.index_dtype, **kw)
+
+
+@pytest.mark.parametrize("grad_bank", [True, False], ids=["with-grad-bank", "no-grad-bank"])
+@pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
+def test_float64_matches_reference(xp, rng, case, grad_bank):
+    pb = problem(rng, case)
+    dr, dM = random_grads(rng, pb, grad_bank)
+    check_vs_reference(xp, pb, cfg_for(pb, case.C), dr, dM, F64_RTOL)
+
+
+def test_mixed_index_dtypes(xp, rng):
+    # int32 write ids with int64 read ids (and the reverse): one index dtype is picked inside
+    pb = make_problem(rng, T=12, index_dtype=np.int32)
+    dr, dM = random_grads(rng, pb)
+    for wdt, rdt in ((np.int32, np.int64), (np.int64, np.int32)):
+        mixed = dataclasses.replace(pb, write_idx=pb.write_idx.astype(wdt),
+                                    read_idx=pb.read_idx.astype(rdt))
+        check_vs_reference(xp, mixed, cfg_for(pb, 4), dr, dM, F64_RTOL)
+
+
+def test_non_contiguous_inputs(xp, rng):
+    # strided views (every other token of a longer problem, a Fortran-order bank) are accepted
+    big = make_problem(rng, B=2, T=24, P=2, hd=6, S=16, W=3)
+    pb = dataclasses.replace(
+        big, T=12, bank=np.asfortranarray(big.bank),
+        **{f: getattr(big, f)[:, ::2] for f in ("write_idx", "write_w", "values", "beta",
+                                                 "read_idx", "read_w")})
+    assert not pb.values.flags.c_contiguous and not pb.bank.flags.c_contiguous
+    dr, dM = random_grads(rng, pb)
+    res, readings, final, g, _ = run_op(xp, pb, cfg_for(pb, 5), dr, dM)
+    r_ref, M_ref = reference_fwd(pb)
+    assert_close(readings, r_ref, F64_RTOL, "readings")
+    assert_close(final, M_ref, F64_RTOL, "final bank")
+    for name, w in zip(GRAD_NAMES, reference_bwd(pb, dr, dM)):
+        assert_close(getattr(g, name), w, F64_RTOL, f"grad {name}")
+
+
+# ----------------------------------------------------------------------------- float32
+
+F32_CASES = {k: CASES[k] for k in ("base-T20-C8", "T100-C64-full-plus-partial", "repeated-slots",
+                                    "hd60", "S1")}
+
+
+@pytest.mark.parametrize("case", list(F32_CASES.values()), ids=list(F32_CASES))
+def test_float32_matches_reference(xp, rng, case):
+    pb = problem(rng, case, dtype=np.float32)
+    dr, dM = random_grads(rng, pb)
+    check_vs_reference(xp, pb, cfg_for(pb, case.C), dr, dM, F32_RTOL)
+
+
+def test_chunk_size_invariance_float32(xp, rng):
+    # C is a speed knob only: C in 1, 7, 16, 64 agree with each other (and the reference)
+    pb = make_problem(rng, B=1, T=100, P=2, hd=8, S=48, W=4, dtype=np.float32)
+    dr, dM = random_grads(rng, pb)
+    outs = {}
+    for C in (1, 7, 16, 64):
+        res, readings, final, g, bank0 = run_op(xp, pb, cfg_for(pb, C), dr, dM)
+        outs[C] = (readings, final, *(to_numpy(getattr(g, n)) for n in GRAD_NAMES))
+        assert_bitwise(res.bank, bank0, f"C={C}: bank after backward")
+    names = ("readings", "final bank", *(f"grad {n}" for n in GRAD_NAMES))
+    for C in (1, 7, 16):
+        for name, got, want in zip(names, outs[C], outs[64]):
+            assert_close(got, want, F32_RTOL, f"C={C} vs C=64: {name}")
+    r_ref, _ = reference_fwd(pb)
+    assert_close(outs[64][0], r_ref, F32_RTOL, "C=64 readings vs reference")
+
+
+# ----------------------------------------------------------------------------- low precision
+
+# Measured on the CPU backend (relative RMS vs the float64 reference of the same rounded
+# inputs, B=2 T=40 P=2 hd=16 S=32 W=3 C=16, worst of 20 seeds): see LOWP_RTOL.
+LOWP_RTOL = 3e-2
+
+
+@pytest.mark.parametrize("grad_bank_fp32", [True, False], ids=["grad-bank-fp32", "grad-bank-native"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_low_precision_bank_and_values(xp, rng, dtype, grad_bank_fp32):
+    dt = BF16 if dtype == "bfloat16" else np.dtype(np.float16)
+    pb = make_problem(rng, B=2, T=40, P=2, hd=16, S=32, W=3, dtype=dt)
+    dr, dM = random_grads(rng, pb)
+    cfg = cfg_for(pb, 16, grad_bank_fp32=grad_bank_fp32)
+    res, readings, final, g, bank0 = run_op(xp, pb, cfg, dr, dM)
+    assert readings.dtype == dt and final.dtype == dt
+    assert to_numpy(g.bank).dtype == (np.float32 if grad_bank_fp32 else dt)
+    for name in ("write_w", "beta", "read_w"):
+        assert to_numpy(getattr(g, name)).dtype == np.float32, name
+    assert to_numpy(g.values).dtype == dt
+    r_ref, M_ref = reference_fwd(pb)
+    assert_close(readings, r_ref, LOWP_RTOL, f"{dtype} readings")
+    assert_close(final, M_ref, LOWP_RTOL, f"{dtype} final bank")
+    for name, w in zip(GRAD_NAMES, reference_bwd(pb, dr, dM)):
+        assert_close(getattr(g, name), w, LOWP_RTOL, f"{dtype} grad {name}")
+    assert_bitwise(res.bank, bank0, "bank after backward (rewound)")
+
+
+MIXED = {
+    # bank, values, weights, (forward tolerance, gradient tolerance)
+    "bank-f32-values-bf16": (np.float32, BF16, np.float32, (LOWP_RTOL, LOWP_RTOL)),
+    "bank-bf16-values-f32": (BF16, np.float32, np.float32, (LOWP_RTOL, LOWP_RTOL)),
+    "bank-f16-values-f32-weights-f16": (np.float16, np.float32, np.float16, (LOWP_RTOL, LOWP_RTOL)),
+    # bfloat16 weights are exact in float32; their gradients come back rounded to bfloat16
+    "bank-f32-values-f32-weights-bf16": (np.float32, np.float32, BF16, (F32_RTOL, 1e-2)),
+    "bank-f32-values-f32-weights-f64": (np.float32, np.float32, np.float64, (F32_RTOL, F32_RTOL)),
+    # a float64 operand makes the arithmetic float64; the float32 storage bounds the error
+    "bank-f64-values-f32": (np.float64, np.float32, np.float32, (1e-6, 1e-6)),
+    "bank-f32-values-f64": (np.float32, np.float64, np.float64, (1e-6, 1e-6)),
+}
+
+
+@pytest.mark.parametrize("combo", list(MIXED.values()), ids=list(MIXED))
+def test_mixed_dtypes(xp, rng, combo):
+    bank_dt, value_dt, weight_dt = (np.dtype(d) for d in combo[:3])
+    rtol, grad_rtol = combo[3]
+    pb = make_problem(rng, B=2, T=24, P=2, hd=8, S=24, W=3, dtype=bank_dt,
+                      value_dtype=value_dt, weight_dtype=weight_dt)
+    dr, dM = random_grads(rng, pb)
+    res, readings, final, g, bank0 = run_op(xp, pb, cfg_for(pb, 8), dr, dM)
+    f64 = np.dtype(np.float64) in (bank_dt, value_dt)
+    assert readings.dtype == value_dt, "readings take the values' dtype"
+    assert final.dtype == bank_dt, "the final bank keeps the bank dtype"
+    assert to_numpy(g.bank).dtype == (np.float64 if f64 else np.float32)
+    assert to_numpy(g.values).dtype == value_dt
+    for name in ("write_w", "beta", "read_w"):
+        assert to_numpy(getattr(g, name)).dtype == weight_dt, f"grad {name} dtype"
+    r_ref, M_ref = reference_fwd(pb)
+    assert_close(readings, r_ref, rtol, "readings")
+    assert_close(final, M_ref, rtol, "final bank")
+    for name, w in zip(GRAD_NAMES, reference_bwd(pb, dr, dM)):
+        assert_close(getattr(g, name), w, grad_rtol, f"grad {name}")
+    assert_bitwise(res.bank, bank0, "bank after backward (rewound)")
+
+
+# ----------------------------------------------------------------------------- snapshot_quant
+
+# (bank dtype, mode) -> bounds on the relative RMS error of (gradients, rewound written rows),
+# about 2-3x the worst error measured on the CPU backend (B=2 T=48 P=2 hd=32 S=64 W=4 C=16,
+# 20 seeds); the measured numbers are in QUANT_MEASURED.
+QUANT = {
+    "f32-bank-bf16": (np.float32, "bf16"),
+    "f32-bank-fp8_e4m3": (np.float32, "fp8_e4m3"),
+    "f32-bank-int8": (np.float32, "int8"),
+    "bf16-bank-fp8_e4m3": (BF16, "fp8_e4m3"),
+    "bf16-bank-int8": (BF16, "int8"),
+}
+QUANT_BOUNDS = {  # mode: (gradient bound, rewound-row bound)
+    "bf16": (1e-2, 1e-2),
+    "fp8_e4m3": (1e-1, 1e-1),
+    "int8": (3e-2, 3e-2),
+}
+QUANT_MEASURED = {}
+
+
+@pytest.mark.parametrize("combo", list(QUANT.values()), ids=list(QUANT))
+def test_snapshot_quant(xp, rng, combo):
+    bank_dt, mode = combo
+    pb = make_problem(rng, B=2, T=48, P=2, hd=32, S=64, W=4, dtype=bank_dt)
+    dr, dM = random_grads(rng, pb)
+    exact = run_op(xp, pb, cfg_for(pb, 16), dr, dM)
+    quant = run_op(xp, pb, cfg_for(pb, 16, snapshot_quant=mode), dr, dM)
+    res_q, readings_q, final_q, g_q, bank0 = quant
+    # the forward is untouched by the snapshot mode
+    assert_bitwise(readings_q, exact[1], f"{mode}: readings")
+    assert_bitwise(final_q, exact[2], f"{mode}: final bank")
+    grad_bound, rewind_bound = QUANT_BOUNDS[mode]
+    # gradients: exact-snapshot backend result + the quantisation error of the rewind
+    want = reference_bwd(pb, dr, dM)
+    base_tol = F32_RTOL if bank_dt == np.float32 else LOWP_RTOL
+    for name, w in zip(GRAD_NAMES, want):
+        assert_close(getattr(exact[3], name), w, base_tol, f"exact snapshots: grad {name}")
+        assert_close(getattr(g_q, name), w, grad_bound, f"{mode}: grad {name}")
+    # the rewound bank: rows no token wrote are bitwise the initial ones; written rows are
+    # the initial ones up to the quantisation error
+    rewound = to_numpy(res_q.bank)
+    assert rewound.dtype == bank_dt
+    written = np.zeros(pb.bank.shape, dtype=bool)
+    hd = pb.hd
+    for b in range(pb.B):
+        for p in range(pb.P):
+            rows = b * pb.S + np.unique(pb.write_idx[b, :, p, :])
+            written[rows, p * hd:(p + 1) * hd] = True
+    assert written.any() and not written.all()
+    assert_bitwise(rewound[~written], bank0[~written], f"{mode}: rewound unwritten rows")
+    err = rel_err(rewound[written], bank0[written])
+    assert err <= rewind_bound, f"{mode}: rewound written rows rel RMS {err:.3e} > {rewind_bound}"
+    assert np.isfinite(rewound.astype(np.float64)).all()
+
+
+# ----------------------------------------------------------------------------- API semantics
+
+def test_needs_backward_false(xp, rng):
+    pb_np = make_problem(rng, T=20)
+    pb = pb_np.to(xp)
+    cfg = cfg_for(pb, 8)
+    with_bwd = sdm.forward(pb.bank, *pb.inputs, cfg, needs_backward=True)
+    without = sdm.forward(pb.bank, *pb.inputs, cfg, needs_backward=False)
+    assert without.saved is None
+    assert isinstance(with_bwd.saved, sdm.SavedState)
+    assert_bitwise(without.readings, with_bwd.readings, "readings")
+    assert_bitwise(without.bank, with_bwd.bank, "final bank")
+    r_ref, M_ref = reference_fwd(pb_np)
+    assert_close(without.readings, r_ref, F64_RTOL, "readings")
+    assert_close(without.bank, M_ref, F64_RTOL, "final bank")
+    with pytest.raises(TypeError, match="saved"):
+        sdm.backward(without.saved, xp.zeros_like(without.readings))
+
+
+def test_inplace_true_updates_the_callers_bank(xp, rng):
+    pb_np = make_problem(rng, T=20)
+    pb = pb_np.to(xp)
+    bank = pb.bank
+    initial = to_numpy(bank).copy()
+    dr, dM = random_grads(rng, pb_np)
+    r_ref, M_ref = reference_fwd(pb_np)   # before: on the CPU pb_np.bank is `bank` itself
+    want = reference_bwd(pb_np, dr, dM)
+    res = sdm.forward(bank, *pb.inputs, cfg_for(pb, 8), inplace=True)
+    assert res.bank is bank, "inplace=True returns the caller's bank object"
+    assert_close(bank, M_ref, F64_RTOL, "caller's bank after the forward")
+    assert_close(res.readings, r_ref, F64_RTOL, "readings")
+    g = sdm.backward(res.saved, xp.asarray(dr), xp.asarray(dM))
+    assert_bitwise(bank, initial, "caller's bank after backward (rewound in place)")
+    for name, w in zip(GRAD_NAMES, want):
+        assert_close(getattr(g, name), w, F64_RTOL, f"grad {name}")
+
+
+def test_inplace_false_leaves_the_input_bank(xp, rng):
+    pb_np = make_problem(rng, T=20)
+    pb = pb_np.to(xp)
+    inputs_before = [to_numpy(a).copy() for a in pb.args()]
+    res = sdm.forward(pb.bank, *pb.inputs, cfg_for(pb, 8), inplace=False)
+    assert res.bank is not pb.bank
+    assert not xp.shares_memory(res.bank, pb.bank)
+    for name, before, now in zip(ARG_NAMES, inputs_before, pb.args()):
+        assert_bitwise(now, before, f"{name} after forward(inplace=False)")
+    _, M_ref = reference_fwd(pb_np)
+    assert_close(res.bank, M_ref, F64_RTOL, "final bank")
+    dr, _ = random_grads(rng, pb_np)
+    sdm.backward(res.saved, xp.asarray(dr))
+    assert_bitwise(res.bank, inputs_before[0], "res.bank after backward")
+    assert_bitwise(pb.bank, inputs_before[0], "input bank after backward")
+
+
+def test_outputs_have_the_inputs_array_type(xp, rng):
+    pb = make_problem(rng, T=10, dtype=np.float32).to(xp)
+    res = sdm.forward(pb.bank, *pb.inputs, cfg_for(pb, 4))
+    g = sdm.backward(res.saved, xp.ones_like(res.readings), xp.ones_like(pb.bank))
+    outs = {"readings": res.readings, "bank": res.bank,
+            **{f"grad {n}": getattr(g, n) for n in GRAD_NAMES}}
+    for name, out in outs.items():
+        assert type(out) is type(pb.bank), f"{name} is a {type(out)}, not {type(pb.bank)}"
+        if xp is not np:
+            assert out.device == pb.bank.device, f"{name} on another device"
+    shapes = {"readings": pb.values.shape, "bank": pb.bank.shape, "grad bank": pb.bank.shape,
+              "grad write_w": pb.write_w.shape, "grad values": pb.values.shape,
+              "grad beta": pb.beta.shape, "grad read_w": pb.read_w.shape}
+    for name, shape in shapes.items():
+        assert tuple(outs[name].shape) == tuple(shape), f"{name} shape"
+
+
+def test_second_backward_raises(xp, rng):
+    pb_np = make_problem(rng, T=12)
+    pb = pb_np.to(xp)
+    initial = to_numpy(pb.bank).copy()
+    res = sdm.forward(pb.bank, *pb.inputs, cfg_for(pb, 4))
+    dr, dM = random_grads(rng, pb_np)
+    g = sdm.backward(res.saved, xp.asarray(dr), xp.asarray(dM))
+    first = {n: to_numpy(getattr(g, n)).copy() for n in GRAD_NAMES}
+    assert res.saved.consumed
+    with pytest.raises(RuntimeError, match="consumed"):
+        sdm.backward(res.saved, xp.asarray(dr), xp.asarray(dM))
+    # the refused call touched nothing: the bank is still the rewound initial bank
+    assert_bitwise(res.bank, initial, "bank after the refused second backward")
+    for n, w in zip(GRAD_NAMES, reference_bwd(pb_np, dr, dM)):
+        assert_bitwise(getattr(g, n), first[n], f"first grad {n} after the refused backward")
+        assert_close(first[n], w, F64_RTOL, f"grad {n}")
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16", "bfloat16"])
+def test_expand_and_sum_memory_batch(xp, rng, dtype):
+    dt = BF16 if dtype == "bfloat16" else np.dtype(dtype)
+    S, D, B = 7, 12, 3
+    param = rng.normal(size=(S, D)).astype(dt)
+    out = sdm.expand_memory_batch(xp.asarray(param), B)
+    assert type(out) is type(xp.asarray(param))
+    assert_bitwise(out, np.tile(param, (B, 1)), "expand_memory_batch vs numpy.tile")
+    grad = rng.normal(size=(B * S, D)).astype(dt)
+    summed = sdm.sum_memory_batch(xp.asarray(grad), S)
+    want = grad.astype(np.float64).reshape(B, S, D).sum(axis=0)
+    assert to_numpy(summed).dtype == dt and tuple(summed.shape) == (S, D)
+    # accumulated in float32 at least, then rounded once to the grad's dtype
+    tol = {"float64": 1e-12, "float32": 1e-6, "float16": 1e-3, "bfloat16": 8e-3}[dtype]
+    assert_close(summed, want, tol, "sum_memory_batch vs numpy sum")
+
+
+def test_expand_then_sum_is_b_times_param(xp, rng):
+    param = rng.normal(size=(5, 8))
+    out = sdm.sum_memory_batch(sdm.expand_memory_batch(xp.asarray(param), 4), 5)
+    assert_close(out, 4 * param, 1e-12, "sum(expand(param, 4))")
+
+
+# ----------------------------------------------------------------------------- decoding
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["copy", "inplace"])
+def test_decode_token_by_token_equals_one_call(xp, rng, inplace):
+    pb_np = make_problem(rng, B=2, T=12, P=2, hd=8, S=16, W=3, repeat=False)
+    pb = pb_np.to(xp)
+    cfg = cfg_for(pb, 4)
+    whole = sdm.forward(pb.bank, *pb.inputs, cfg, needs_backward=False)
+    state = sdm.LayerState(pb.bank.copy(), 0)
+    readings = []
+    for t in range(pb.T):
+        step = [x[:, t:t + 1] for x in pb.inputs]
+        res = sdm.forward(state.memory, *step, cfg, needs_backward=False, inplace=inplace)
+        if inplace:
+            assert res.bank is state.memory
+        assert state.update_(res.bank, seq_len=1) is state
+        readings.append(to_numpy(res.readings))
+    assert state.seq_len == pb.T
+    assert_close(np.concatenate(readings, axis=1), whole.readings, F64_RTOL,
+                 "token-by-token readings vs one call")
+    assert_close(state.memory, whole.bank, F64_RTOL, "token-by-token bank vs one call")
+    r_ref, M_ref = reference_fwd(pb_np)
+    assert_close(whole.readings, r_ref, F64_RTOL, "one-call readings vs reference")
+    assert_close(state.memory, M_ref, F64_RTOL, "decoded bank vs reference")
+
+
+# ----------------------------------------------------------------------------- properties (CPU)
+
+@st.composite
+def small_problems(draw):
+    B = draw(st.integers(1, 2))
+    T = draw(st.integers(1, 12))
+    P = draw(st.integers(1, 3))
+    hd = draw(st.integers(1, 6))
+    S = draw(st.integers(1, 20))
+    W = draw(st.integers(1, 4))
+    C = draw(st.integers(1, 8))
+    repeat = draw(st.booleans())
+    index_dtype = draw(st.sampled_from([np.int32, np.int64]))
+    grad_bank = draw(st.booleans())
+    seed = draw(st.integers(0, 2**32 - 1))
+    return dict(B=B, T=T, P=P, hd=hd, S=S, W=W, repeat=repeat, index_dtype=index_dtype), C, \
+        grad_bank, seed
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_problems())
+def test_property_cpu_forward_and_gradients_match_reference(drawn):
+    shape, C, grad_bank, seed = drawn
+    rng = np.random.default_rng(seed)
+    pb = make_problem(rng, **shape)
+    if not shape["repeat"]:
+        # small S collides often: keep beta*|k|^2 < 2 so the recurrence stays bounded
+        pb = dataclasses.replace(pb, beta=pb.beta / shape["W"])
+    dr, dM = random_grads(rng, pb, grad_bank)
+    check_vs_reference(np, pb, cfg_for(pb, C), dr, dM, F64_RTOL)
