@@ -25,23 +25,28 @@ def is_cupy_array(x) -> bool:
     return type(x).__module__.split(".")[0] == "cupy"
 
 
-def array_module(x):
-    """numpy for NumPy arrays, cupy for CuPy arrays; TypeError for anything else."""
+def array_module(x, name: str | None = None):
+    """numpy for NumPy arrays, cupy for CuPy arrays; TypeError for anything else (its message
+    starts with ``name`` when given)."""
     if isinstance(x, np.ndarray):
         return np
     if is_cupy_array(x):
         import cupy
         return cupy
-    raise TypeError(f"expected a numpy.ndarray or cupy.ndarray, got {type(x).__module__}."
+    prefix = f"{name}: " if name else ""
+    raise TypeError(f"{prefix}expected a numpy.ndarray or cupy.ndarray, got {type(x).__module__}."
                     f"{type(x).__name__} (use sdm_cupy.from_dlpack for torch/JAX arrays)")
 
 
-def common_module(named: dict):
+def common_module(named: dict, allow_none: bool = True):
     """The array module shared by every non-None array in ``named``; TypeError when NumPy and
-    CuPy arrays are mixed or when CuPy arrays live on different devices."""
+    CuPy arrays are mixed or when CuPy arrays live on different devices, and for a None entry
+    when ``allow_none`` is False."""
     xp, first, device = None, None, None
     for name, x in named.items():
         if x is None:
+            if not allow_none:
+                raise TypeError(f"{name} must be a numpy.ndarray or cupy.ndarray, got None")
             continue
         try:
             m = array_module(x)
@@ -199,7 +204,7 @@ def check_snapshot_quant(lay: Layout, mode) -> None:
 def check_grad(name: str, x, shape, meaning, xp) -> np.dtype:
     if x is None:
         return None
-    if array_module(x) is not xp:
+    if array_module(x, name) is not xp:
         raise TypeError(f"{name} is a {array_module(x).__name__} array but the saved state is "
                         f"on {xp.__name__}: pass gradients of the same array type")
     _shape(name, x, shape, meaning)

@@ -133,7 +133,7 @@ def forward(bank, write_idx, write_w, values, beta, read_idx, read_w, config: SD
     """
     named = dict(bank=bank, write_idx=write_idx, write_w=write_w, values=values, beta=beta,
                  read_idx=read_idx, read_w=read_w)
-    xp = V.common_module(named)
+    xp = V.common_module(named, allow_none=False)
     lay = V.layout(bank, write_idx, write_w, values, beta, read_idx, read_w, config)
     backend = backend_for(xp)
     if needs_backward:
@@ -180,6 +180,9 @@ def backward(saved: SavedState, grad_readings, grad_bank=None) -> Gradients:
                         f"needs_backward=True, got {type(saved).__name__}")
     lay = saved.layout
     xp = V.array_module(saved.bank)
+    if grad_readings is None:
+        raise TypeError("grad_readings is required: pass the [B, T, D] gradient of the readings "
+                        "(zeros when only the final bank has a gradient)")
     V.check_grad("grad_readings", grad_readings, (lay.B, lay.T, lay.D), "[B, T, D]", xp)
     V.check_grad("grad_bank", grad_bank, (lay.B * lay.S, lay.D), "[B*S, D]", xp)
     if saved.consumed:
@@ -203,7 +206,7 @@ def _as(x, dtype):
 
 def expand_memory_batch(param, batch: int):
     """[S, D] -> [B*S, D]: ``batch`` copies of a learned initial bank (SPEC §6)."""
-    xp = V.array_module(param)
+    xp = V.array_module(param, "param")
     if param.ndim != 2:
         raise ValueError(f"param must have rank 2 [S, D], got shape {tuple(param.shape)}")
     V._dtype_of("param", param, V.FLOAT_DTYPES, "float")
@@ -215,7 +218,7 @@ def expand_memory_batch(param, batch: int):
 def sum_memory_batch(grad_bank, num_memory_slots: int):
     """[B*S, D] -> [S, D]: the sum over the B copies, the gradient of ``param`` (SPEC §6).
     The result has the dtype of ``grad_bank`` (accumulated in float32 at least)."""
-    xp = V.array_module(grad_bank)
+    xp = V.array_module(grad_bank, "grad_bank")
     if grad_bank.ndim != 2:
         raise ValueError(f"grad_bank must have rank 2 [B*S, D], got shape {tuple(grad_bank.shape)}")
     V._dtype_of("grad_bank", grad_bank, V.FLOAT_DTYPES, "float")
