@@ -484,3 +484,46 @@ def test_property_cpu_forward_and_gradients_match_reference(drawn):
         pb = dataclasses.replace(pb, beta=pb.beta / shape["W"])
     dr, dM = random_grads(rng, pb, grad_bank)
     check_vs_reference(np, pb, cfg_for(pb, C), dr, dM, F64_RTOL)
+
+
+# ----------------------------------------------------------------------------- memory hygiene
+
+def test_untouched_rows_are_never_read(xp, rng):
+    # NaN in every bank row (and grad-bank row) that no index names: a backend that reads
+    # memory it does not own (a dense pass over all slots, an unwritten scratch row) spreads
+    # the NaN into readings or gradients.
+    pb = make_problem(rng, B=2, T=16, P=2, hd=8, S=40, W=2)
+    touched = np.zeros(pb.bank.shape, dtype=bool)
+    for b in range(pb.B):
+        for p in range(pb.P):
+            ids = np.unique(np.concatenate([pb.write_idx[b, :, p].ravel(),
+                                            pb.read_idx[b, :, p].ravel()]))
+            touched[b * pb.S + ids, p * pb.hd:(p + 1) * pb.hd] = True
+    assert not touched.all()
+    clean_bank = pb.bank.copy()
+    pb.bank[~touched] = np.nan
+    dr, dM = random_grads(rng, pb)
+    clean_dM = dM.copy()
+    dM[~touched] = np.nan
+    ref = dataclasses.replace(pb, bank=clean_bank)
+    res, readings, final, g, bank0 = run_op(xp, pb, cfg_for(pb, 4), dr, dM)
+    r_ref, M_ref = reference_fwd(ref)
+    assert_close(readings, r_ref, F64_RTOL, "readings with NaN in untouched rows")
+    assert np.isnan(final[~touched]).all(), "untouched rows of the final bank are left alone"
+    assert_close(final[touched], M_ref[touched], F64_RTOL, "touched rows of the final bank")
+    want = reference_bwd(ref, dr, clean_dM)
+    for name, w in zip(GRAD_NAMES[1:], want[1:]):
+        assert_close(getattr(g, name), w, F64_RTOL, f"grad {name} with NaN in untouched rows")
+    gb = to_numpy(g.bank)
+    assert np.isnan(gb[~touched]).all(), "untouched rows of grad bank are the given grad bank"
+    assert_close(gb[touched], want[0][touched], F64_RTOL, "touched rows of grad bank")
+    assert_bitwise(res.bank, bank0, "rewound bank")
+
+
+def test_forward_is_deterministic(xp, rng):
+    pb = make_problem(rng, B=2, T=30, P=2, hd=8, S=16, W=4, dtype=np.float32, repeat=True).to(xp)
+    cfg = cfg_for(pb, 8)
+    one = sdm.forward(pb.bank, *pb.inputs, cfg, needs_backward=False)
+    two = sdm.forward(pb.bank, *pb.inputs, cfg, needs_backward=False)
+    assert_bitwise(one.readings, two.readings, "readings of two identical calls")
+    assert_bitwise(one.bank, two.bank, "final banks of two identical calls")
