@@ -91,7 +91,7 @@ def run(B=4, N=1024, S=4096, P=4, hd=64, W=8, C=64, rounds=5, device="auto", see
     res = forward(bank, widx, ww, values, beta, ridx, rw, cfg)
     backward(res.saved, xp.zeros_like(res.readings))
     sync()
-    t_fwd, t_fb, acc, loss = [], [], 0.0, 0.0
+    t_fwd, t_fb, acc, loss, rel = [], [], 0.0, 0.0, 0.0
     for _ in tqdm(range(rounds), desc="forward+backward", unit="round", leave=False):
         t0 = time.perf_counter()
         res = forward(bank, widx, ww, values, beta, ridx, rw, cfg)
@@ -103,6 +103,7 @@ def run(B=4, N=1024, S=4096, P=4, hd=64, W=8, C=64, rounds=5, device="auto", see
         err = r - target
         err[:, :N] = 0
         loss = float((err ** 2).sum()) / (B * N)
+        rel = loss / float((stored.astype(np.float64) ** 2).sum() / (B * N))
         t2 = time.perf_counter()
         g = backward(res.saved, 2 * err / (B * N))
         sync()
@@ -114,11 +115,12 @@ def run(B=4, N=1024, S=4096, P=4, hd=64, W=8, C=64, rounds=5, device="auto", see
     fwd_s, fb_s = float(np.median(t_fwd)), float(np.median(t_fb))
     gnorm = float(xp.sqrt((g.values.astype(xp.float32) ** 2).sum()))
     out(f"recall accuracy : {acc:.4f} of {B * N} reads (chance {1.0 / N:.4f})")
-    out(f"read-back loss  : {loss:.4f} (mean squared error per pair)")
+    out(f"read-back error : {rel:.4f} (||r - v||^2 / ||v||^2: interference of slots shared by "
+        f"later writes)")
     out(f"forward         : {B * T / fwd_s:,.0f} tokens/s ({fwd_s * 1e3:.1f} ms per call of {B}x{T} tokens)")
     out(f"forward+backward: {B * T / fb_s:,.0f} tokens/s ({fb_s * 1e3:.1f} ms)")
     out(f"backward        : |grad values| = {gnorm:.4f}; bank rewound to its initial state "
         f"(max abs difference {rewound:.1e})")
     out(f"backend         : {backend}")
-    return {"accuracy": acc, "loss": loss, "fwd_tokens_per_s": B * T / fwd_s,
+    return {"accuracy": acc, "loss": loss, "relative_error": rel, "fwd_tokens_per_s": B * T / fwd_s,
             "fb_tokens_per_s": B * T / fb_s, "backend": backend, "rewind_error": rewound}
