@@ -447,3 +447,57 @@ def test_inplace_needs_a_c_contiguous_bank(xp, rng):
     res = sdm.forward(fbank, *x.inputs, good_config(), inplace=False)
     assert_close(res.bank, M_ref, F64_RTOL, "final bank from a Fortran-order bank")
     assert bitwise_equal(fbank, before)
+
+
+# ----------------------------------------------------------------------------- check_indices=False
+
+UNCHECKED = {
+    "write_idx-minus-1": ("write_idx", (0, 1, 0, 1), -1),
+    "write_idx-equal-S": ("write_idx", (1, 4, 1, 0), S),
+    "write_idx-huge": ("write_idx", (1, 2, 0, 0), 2 ** 31 - 1),
+    "read_idx-minus-1": ("read_idx", (0, 0, 1, 0), -1),
+    "read_idx-equal-S": ("read_idx", (1, 5, 1, 1), S),
+    "read_idx-very-negative": ("read_idx", (1, 3, 0, 1), -(2 ** 31)),
+}
+
+
+@pytest.mark.parametrize("case", list(UNCHECKED.values()), ids=list(UNCHECKED))
+def test_unchecked_bad_ids_are_skipped_and_reported(xp, rng, case):
+    # check_indices=False skips the API's range check, never the kernels' safety: an id outside
+    # [0, S) is skipped (weight 0) and reported (CPU: ValueError after the call; GPU: the
+    # device flag that sdm.check_device_errors() raises). The bank is a view into a buffer
+    # with guard rows on both sides: an out-of-bounds write would land there.
+    name, pos, bad_id = case
+    pb = base_problem(rng)
+    idx = getattr(pb, name).copy()
+    idx[pos] = bad_id
+    weights = "write_w" if name == "write_idx" else "read_w"
+    # what the op must compute: the bad entry contributes nothing (weight 0, any valid id)
+    skipped = dataclasses.replace(pb, **{name: with_index(idx, pos, 0),
+                                         weights: with_index(getattr(pb, weights), pos, 0.0)})
+    r_ref, M_ref = reference_fwd(skipped)
+    guard = np.full((3, D), 12345.0)
+    buf = xp.asarray(np.concatenate([guard, pb.bank, guard]))
+    bank = buf[3:-3]
+    assert bank.flags.c_contiguous
+    args = {n: on(xp, getattr(pb, n)) for n in ARG_NAMES}
+    args["bank"], args[name] = bank, on(xp, idx)
+    if xp is not np:
+        sdm.check_device_errors(reset=True)   # a clean flag before the call
+    try:
+        res = sdm.forward(*(args[n] for n in ARG_NAMES), good_config(), needs_backward=False,
+                          inplace=True, check_indices=False)
+        reported = None
+    except ValueError as exc:
+        res, reported = None, exc
+    if reported is None:
+        with pytest.raises(ValueError, match=r"\[0, "):
+            sdm.check_device_errors()
+        sdm.check_device_errors()           # reset by the previous check
+        assert_close(res.readings, r_ref, F64_RTOL, "readings with the bad id skipped")
+    else:
+        assert name in str(reported), f"the report names {name}: {reported}"
+    host = to_numpy(buf)
+    assert np.all(host[:3] == 12345.0) and np.all(host[-3:] == 12345.0), (
+        "an out-of-range id wrote outside the bank")
+    assert_close(host[3:-3], M_ref, F64_RTOL, "bank updated with the bad id skipped")
