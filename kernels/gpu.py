@@ -1,0 +1,321 @@
+"""The GPU backend: CUDA C++ kernels (kernels/*.cu) launched through CuPy.
+
+Implements docs/BACKEND_CONTRACT.md. The op is three named launches (SPEC §3-§4):
+
+    forward : sdm_prepass (G, H, Ainv and the sorted slot runs of every chunk, in parallel)
+              -> sdm_fwd  (one block per (b, p, column tile), chunks in order)
+    backward: sdm_prepass (again: recompute instead of store) -> sdm_bwd (chunks last to first,
+              rewinding the bank in place)
+
+Every launch runs on the current CuPy stream; nothing here synchronises with the host or calls
+cuBLAS, so ``sdm_fwd``/``sdm_bwd`` can be captured into a CUDA graph. Scratch comes from
+CuPy's memory pool. Grid sizes are checked against the device limits before any launch.
+
+Safety: ids outside [0, S) are skipped by every kernel (they never address memory) and
+recorded in one host-mapped int; ``check_device_errors()`` synchronises and reports it.
+
+Process-wide settings the kernels read (a graph runner keys on ``settings()``):
+``TILE_WIDTH`` (None: automatic) forces the width of the column tiles.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import threading
+
+import numpy as np
+
+from .._validate import Layout
+from ..config import UnsupportedConfigurationError
+from . import _build as K
+
+__all__ = ["check_config", "sdm_fwd", "sdm_bwd", "expand_memory_batch", "sum_memory_batch",
+           "check_device_errors", "settings", "plan"]
+
+THREADS = 256
+MAX_ENTRIES = 4096          # write (or read) entries of one chunk: C*W, sorted in shared memory
+TILE_WIDTH = None           # override of the column-tile width (tests and benchmarks)
+
+_ERRORS = {1: "write_idx values must lie in [0, num_memory_slots)",
+           2: "read_idx values must lie in [0, num_memory_slots)"}
+
+
+def settings() -> tuple:
+    """The process-wide knobs the kernels read (part of a graph runner's key)."""
+    return (TILE_WIDTH,)
+
+
+# ---- the device error word ------------------------------------------------------------------
+_err_lock = threading.Lock()
+_err_ptr = None
+
+
+def _error_word() -> int:
+    """Address of a host-mapped, portable int that kernels set when they skip a bad id. It is
+    zeroed by the host (no device work), so it can be created even while a stream captures."""
+    global _err_ptr
+    if _err_ptr is None:
+        import cupy
+        with _err_lock:
+            if _err_ptr is None:
+                rt = cupy.cuda.runtime
+                ptr = rt.hostAlloc(4, rt.hostAllocMapped | rt.hostAllocPortable)
+                ctypes.c_int.from_address(ptr).value = 0
+                _err_ptr = ptr
+    return _err_ptr
+
+
+def check_device_errors(reset: bool = True) -> None:
+    """Synchronises the current device and raises ValueError if a kernel met a slot id outside
+    [0, S) since the last check (a call made with ``check_indices=False``)."""
+    if _err_ptr is None:
+        return
+    import cupy
+    cupy.cuda.runtime.deviceSynchronize()
+    word = ctypes.c_int.from_address(_err_ptr)
+    code = word.value
+    if code and reset:
+        word.value = 0
+    if code:
+        raise ValueError(f"sdm_cupy: a GPU kernel skipped ids that broke the rule "
+                         f"'{_ERRORS.get(code, 'slot ids must lie in [0, num_memory_slots)')}' "
+                         "(a call with check_indices=False); those entries were treated as weight "
+                         "0, so that call's results are not the op's")
+
+
+# ---- launch plan ------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    C: int              # internal chunk size (<= config.chunk_size)
+    Nt: int
+    TW: int             # column-tile width (multiple of the piece width N, or hd)
+    ntile: int
+    N: int              # elements per 16-byte piece of a bank row
+    smem_pre: int
+    smem_fwd: int
+    smem_bwd: int
+
+
+def _device_limits():
+    import cupy
+    dev = cupy.cuda.Device()
+    attrs = dev.attributes
+    return (attrs["MultiProcessorCount"], attrs["MaxSharedMemoryPerBlockOptin"],
+            dev.compute_capability)
+
+
+def _smem(C, W, TW, N, acc_size, quant):
+    twp = -(-TW // N) * N
+    ld = C + 1
+    m2 = 1
+    while m2 < 2 * C * W:
+        m2 <<= 1
+    pre = m2 * 8 + 3 * C * ld * acc_size + (2 * C * W + C) * 4 + C * C
+    fwd = ((2 * C * ld + 3 * C * twp + C) * acc_size + (C * W * 4 if quant else 0)
+           + (3 * C * W + 2 * C) * 4 + 2 * C * C)
+    bwd = ((3 * C * ld + 5 * C * twp + 2 * C + 2 * C * W) * acc_size + (4 * C * W + 4 * C) * 4
+           + 4 * C * C)
+    return pre, fwd, bwd
+
+
+def _tile_width(lay: Layout, N: int, nsm: int) -> int:
+    if TILE_WIDTH is not None:
+        return max(1, min(lay.hd, int(TILE_WIDTH)))
+    pieces = -(-lay.hd // N)
+    ntile = 1
+    # enough blocks for two per multiprocessor, while a tile keeps at least 2 pieces
+    while lay.B * lay.P * ntile < 2 * nsm and -(-pieces // (ntile * 2)) >= 2:
+        ntile *= 2
+    return min(lay.hd, -(-pieces // ntile) * N)
+
+
+def plan(lay: Layout, config, *, quant=None, limits=None) -> Plan:
+    """Chunk and tile sizes of a call; raises UnsupportedConfigurationError when nothing fits."""
+    nsm, smem_max, _ = limits or _device_limits()
+    if lay.W > MAX_ENTRIES:
+        raise UnsupportedConfigurationError(
+            f"the GPU backend sorts a chunk's C*W slot ids in shared memory and supports W <= "
+            f"{MAX_ENTRIES}; got W={lay.W}")
+    acc = K.compute_dtype(lay.bank_dtype, lay.value_dtype)
+    N = K.vec_width(lay.bank_dtype)
+    C = min(lay.C, 64 if acc.itemsize == 4 else 32, MAX_ENTRIES // lay.W, lay.T)
+    TW = lay.hd if quant in ("fp8_e4m3", "int8") else _tile_width(lay, N, nsm)
+    while True:
+        pre, fwd, bwd = _smem(C, lay.W, TW, N, acc.itemsize, quant in ("fp8_e4m3", "int8"))
+        if max(pre, fwd, bwd) <= smem_max or C == 1:
+            break
+        C = max(1, C // 2)
+    if max(pre, fwd, bwd) > smem_max:
+        raise UnsupportedConfigurationError(
+            f"head width hd={lay.hd} with snapshot_quant={quant!r} needs {max(pre, fwd, bwd)} "
+            f"bytes of shared memory per block, more than this device's {smem_max}: the "
+            "quantized kernels cannot tile it (one block holds a whole row to find its scale)")
+    ntile = -(-lay.hd // TW)
+    Nt = -(-lay.T // C)
+    return Plan(C=C, Nt=Nt, TW=TW, ntile=ntile, N=N, smem_pre=pre, smem_fwd=fwd, smem_bwd=bwd)
+
+
+def check_config(lay: Layout, config) -> None:
+    """Refusals of a call that saves snapshots (before anything runs)."""
+    mode = config.snapshot_quant
+    _, _, cc = _device_limits()
+    if mode is not None and int(cc) < 80:
+        raise UnsupportedConfigurationError(
+            f"snapshot_quant={mode!r} needs bfloat16/fp8 conversions of compute capability "
+            f">= 8.0; this device has {cc}")
+    plan(lay, config, quant=mode)
+
+
+# ---- launches ---------------------------------------------------------------------------------
+def _grid(n: int) -> tuple:
+    if not 1 <= n <= 2 ** 31 - 1:
+        raise ValueError(f"sdm_cupy: grid of {n} blocks is outside the device limit")
+    return (n,)
+
+
+def _launch(src, key, name, grid, smem, args):
+    fn = K.get_function(src, key, name)
+    if smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < smem:
+        fn.max_dynamic_shared_size_bytes = smem
+    fn(_grid(grid), (THREADS,), args, shared_mem=smem)
+
+
+def _aligned(x, N) -> bool:
+    return x.data.ptr % (N * x.dtype.itemsize) == 0
+
+
+def _err_array():
+    import cupy
+    ptr = _error_word()
+    mem = cupy.cuda.UnownedMemory(ptr, 4, None)
+    return cupy.ndarray((1,), dtype=np.int32, memptr=cupy.cuda.MemoryPointer(mem, 0))
+
+
+def _prepass(lay, pl, acc, wi, aw, ri, cw, beta, want_G):
+    """sdm_prepass: G, H, Ainv and the sorted runs of every chunk (SPEC §3, bank-independent)."""
+    import cupy
+    nchunk = lay.B * lay.P * pl.Nt
+    Ainv = cupy.empty((nchunk, pl.C, pl.C), dtype=acc)
+    H = cupy.empty((nchunk, pl.C, pl.C), dtype=acc)
+    G = cupy.empty((nchunk, pl.C, pl.C), dtype=acc) if want_G else Ainv
+    srt = cupy.empty((nchunk, 2 * pl.C * lay.W), dtype=np.int32)
+    key = (acc, lay.index_dtype)
+    _launch("prepass", key, K.prepass_name(acc, lay.index_dtype), nchunk, pl.smem_pre,
+            (wi, aw, ri, cw, beta, np.int32(lay.T), np.int32(lay.P), np.int32(lay.W),
+             np.int64(lay.S), np.int32(pl.C), np.int32(pl.Nt), np.int32(int(want_G)),
+             Ainv, H, G, srt, _err_array()))
+    return Ainv, H, (G if want_G else None), srt
+
+
+def _snapshot_arrays(lay, mode):
+    import cupy
+    shape = (lay.B, lay.T, lay.P, lay.W, lay.hd)
+    if mode is None:
+        return cupy.empty(shape, dtype=lay.bank_dtype), None
+    if mode == "bf16":
+        return cupy.empty(shape, dtype=K.BFLOAT16), None
+    store = np.uint8 if mode == "fp8_e4m3" else np.int8
+    return (cupy.empty(shape, dtype=store),
+            cupy.empty((lay.B, lay.T, lay.P, lay.W), dtype=np.float32))
+
+
+def sdm_fwd(lay: Layout, config, bank, write_idx, write_w, values, beta, read_idx, read_w, *,
+            save_snapshots: bool):
+    """SPEC §3: updates ``bank`` in place; returns (readings [B, T, D], snapshots or None).
+    Snapshots are (rows [B, T, P, W, hd] in the bank dtype, or bf16 / fp8 bytes / int8, and
+    float32 scales [B, T, P, W] for the 1-byte modes, else None)."""
+    import cupy
+    mode = config.snapshot_quant if save_snapshots else None
+    pl = plan(lay, config, quant=mode)
+    acc = K.compute_dtype(lay.bank_dtype, lay.value_dtype)
+    vk = K.kernel_value_dtype(lay.bank_dtype, lay.value_dtype)
+    v = values if values.dtype == vk else values.astype(vk)
+    Ainv, H, _, srt = _prepass(lay, pl, acc, write_idx, write_w, read_idx, read_w, beta, False)
+    out = cupy.empty((lay.B, lay.T, lay.D), dtype=vk)
+    if save_snapshots:
+        snap, scale = _snapshot_arrays(lay, mode)
+    else:  # never written (save=0); any typed array of the right dtype will do
+        snap, scale = _snapshot_arrays(dataclasses.replace(lay, B=1, T=1, W=1, hd=1), mode)
+    N = pl.N
+    vecmask = (int(_aligned(bank, N)) | int(_aligned(v, N)) << 1 | int(_aligned(out, N)) << 2
+               | int(_aligned(snap, N)) << 3) if lay.hd % N == 0 else 0
+    q = K.QUANT_CODE[mode]
+    key = (lay.bank_dtype, vk, lay.index_dtype)
+    _launch("fwd", key, K.fwd_name(lay.bank_dtype, vk, lay.index_dtype, q),
+            lay.B * lay.P * pl.ntile, pl.smem_fwd,
+            (bank, write_idx, write_w, v, beta, read_idx, read_w, Ainv, H, srt, out, snap,
+             scale if scale is not None else out, np.int32(lay.T), np.int32(lay.P),
+             np.int32(lay.hd), np.int32(lay.W), np.int64(lay.S), np.int32(pl.C),
+             np.int32(pl.Nt), np.int32(pl.TW), np.int32(pl.ntile), np.int32(int(save_snapshots)),
+             np.int32(vecmask)))
+    readings = out if vk == lay.value_dtype else out.astype(lay.value_dtype)
+    return readings, ((snap, scale) if save_snapshots else None)
+
+
+def sdm_bwd(lay: Layout, config, bank, inputs, snapshots, dr, dM):
+    """SPEC §4: rewinds ``bank`` in place; returns (d_bank, d_write_w, d_values, d_beta,
+    d_read_w), d_bank in lay.grad_bank_dtype (``dM`` itself when given), d_values in
+    lay.value_dtype, the weight gradients in the compute dtype."""
+    import cupy
+    write_idx, write_w, values, beta, read_idx, read_w = inputs
+    mode = config.snapshot_quant
+    pl = plan(lay, config, quant=None)   # the backward tiles freely (scales are stored)
+    acc = K.compute_dtype(lay.bank_dtype, lay.value_dtype)
+    vk = K.kernel_value_dtype(lay.bank_dtype, lay.value_dtype)
+    v = values if values.dtype == vk else values.astype(vk)
+    g = dr if dr.dtype == vk else dr.astype(vk)
+    gt = lay.grad_bank_dtype
+    if dM is None:
+        dM = cupy.zeros((lay.B * lay.S, lay.D), dtype=gt)
+    snap, scale = snapshots
+    Ainv, H, G, srt = _prepass(lay, pl, acc, write_idx, write_w, read_idx, read_w, beta, True)
+    d_aw = cupy.zeros(write_w.shape, dtype=acc)
+    d_cw = cupy.zeros(read_w.shape, dtype=acc)
+    d_beta = cupy.zeros(beta.shape, dtype=acc)
+    d_v = cupy.empty((lay.B, lay.T, lay.D), dtype=vk)
+    N = pl.N
+    vecmask = (int(_aligned(bank, N)) | int(_aligned(v, N)) << 1
+               | int(_aligned(g, N) and _aligned(d_v, N)) << 2 | int(_aligned(snap, N)) << 3
+               | int(_aligned(dM, N)) << 4) if lay.hd % N == 0 else 0
+    q = K.QUANT_CODE[mode]
+    key = (lay.bank_dtype, vk, lay.index_dtype)
+    _launch("bwd", key, K.bwd_name(lay.bank_dtype, vk, gt, lay.index_dtype, q),
+            lay.B * lay.P * pl.ntile, pl.smem_bwd,
+            (bank, write_idx, write_w, v, beta, read_idx, read_w, Ainv, H, G, srt, snap,
+             scale if scale is not None else d_beta, g, dM, d_aw, d_v, d_beta, d_cw,
+             np.int32(lay.T), np.int32(lay.P), np.int32(lay.hd), np.int32(lay.W),
+             np.int64(lay.S), np.int32(pl.C), np.int32(pl.Nt), np.int32(pl.TW),
+             np.int32(pl.ntile), np.int32(vecmask)))
+    if vk != lay.value_dtype:
+        d_v = d_v.astype(lay.value_dtype)
+    return dM, d_aw, d_v, d_beta, d_cw
+
+
+# ---- SPEC §6 ----------------------------------------------------------------------------------
+def _stride_grid(n: int) -> int:
+    nsm = _device_limits()[0]
+    return max(1, min(-(-n // THREADS), nsm * 16))
+
+
+def expand_memory_batch(param, B: int):
+    """[S, D] -> [B*S, D] (B copies), one kernel on the current stream."""
+    import cupy
+    S, D = param.shape
+    out = cupy.empty((B * S, D), dtype=param.dtype)
+    bank = np.dtype(param.dtype)
+    fn = K.get_function("batch", (bank,), K.batch_names(bank)[0])
+    fn((_stride_grid(B * S * D),), (THREADS,), (param, out, np.int64(S * D), np.int32(B)))
+    return out
+
+
+def sum_memory_batch(grad_bank, S: int):
+    """[B*S, D] -> [S, D], the sum over the B copies (float32 at least), grad_bank's dtype."""
+    import cupy
+    rows, D = grad_bank.shape
+    B = rows // S
+    out = cupy.empty((S, D), dtype=grad_bank.dtype)
+    dt = np.dtype(grad_bank.dtype)
+    fn = K.get_function("batch", (dt,), K.batch_names(dt)[1])
+    fn((_stride_grid(S * D),), (THREADS,), (grad_bank, out, np.int64(S * D), np.int32(B)))
+    return out

@@ -1,0 +1,158 @@
+// Shared device helpers of the SDM kernels: dtype conversions, row pieces (16-byte loads and
+// stores of N consecutive columns), snapshot quantization, and the per-chunk lists that the
+// main kernels build from the pre-pass matrices. Inlined into every source by kernels/_build.py
+// (so that CuPy's compile cache, keyed on the source text, sees changes here).
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+namespace sdm {
+
+// ---- conversions: storage dtype <-> accumulation dtype (float or double) -----------------
+__device__ __forceinline__ float to_acc(float x, float) { return x; }
+__device__ __forceinline__ double to_acc(float x, double) { return (double)x; }
+__device__ __forceinline__ float to_acc(double x, float) { return (float)x; }
+__device__ __forceinline__ double to_acc(double x, double) { return x; }
+__device__ __forceinline__ float to_acc(__half x, float) { return __half2float(x); }
+__device__ __forceinline__ double to_acc(__half x, double) { return (double)__half2float(x); }
+__device__ __forceinline__ float to_acc(__nv_bfloat16 x, float) { return __bfloat162float(x); }
+__device__ __forceinline__ double to_acc(__nv_bfloat16 x, double) { return (double)__bfloat162float(x); }
+
+template <typename T> struct From;
+template <> struct From<float> {
+  __device__ static float cvt(float x) { return x; }
+  __device__ static float cvt(double x) { return (float)x; }
+};
+template <> struct From<double> {
+  __device__ static double cvt(float x) { return (double)x; }
+  __device__ static double cvt(double x) { return x; }
+};
+template <> struct From<__half> {
+  __device__ static __half cvt(float x) { return __float2half_rn(x); }
+  __device__ static __half cvt(double x) { return __double2half(x); }
+};
+template <> struct From<__nv_bfloat16> {
+  __device__ static __nv_bfloat16 cvt(float x) { return __float2bfloat16_rn(x); }
+  __device__ static __nv_bfloat16 cvt(double x) { return __double2bfloat16(x); }
+};
+
+template <typename T, int N> struct alignas(sizeof(T) * N) Pack { T v[N]; };
+
+// Loads `nv` (<= N) consecutive elements starting at p into acc registers (zeros past nv).
+// `vec` says the caller checked that p is aligned to the whole pack (host-side check of the
+// base pointer plus hd % N == 0); the wide path is then one (or a few) 16-byte loads.
+template <int N, typename A, typename T>
+__device__ __forceinline__ void load_piece(A (&out)[N], const T* __restrict__ p, int nv, bool vec) {
+  if (vec && nv == N) {
+    Pack<T, N> pk = *reinterpret_cast<const Pack<T, N>*>(p);
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = to_acc(pk.v[i], A());
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = i < nv ? to_acc(p[i], A()) : A(0);
+  }
+}
+
+template <int N, typename A, typename T>
+__device__ __forceinline__ void store_piece(T* __restrict__ p, const A (&in)[N], int nv, bool vec) {
+  if (vec && nv == N) {
+    Pack<T, N> pk;
+#pragma unroll
+    for (int i = 0; i < N; ++i) pk.v[i] = From<T>::cvt(in[i]);
+    *reinterpret_cast<Pack<T, N>*>(p) = pk;
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+      if (i < nv) p[i] = From<T>::cvt(in[i]);
+  }
+}
+
+// Raw copy of a piece without conversion (exact snapshots: bank dtype -> bank dtype).
+template <int N, typename T>
+__device__ __forceinline__ void load_raw(T (&out)[N], const T* __restrict__ p, int nv, bool vec) {
+  if (vec && nv == N) {
+    Pack<T, N> pk = *reinterpret_cast<const Pack<T, N>*>(p);
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = pk.v[i];
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = i < nv ? p[i] : T{};
+  }
+}
+template <int N, typename T>
+__device__ __forceinline__ void store_raw(T* __restrict__ p, const T (&in)[N], int nv, bool vec) {
+  if (vec && nv == N) {
+    Pack<T, N> pk;
+#pragma unroll
+    for (int i = 0; i < N; ++i) pk.v[i] = in[i];
+    *reinterpret_cast<Pack<T, N>*>(p) = pk;
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+      if (i < nv) p[i] = in[i];
+  }
+}
+
+// ---- snapshot quantization (SPEC §5) ------------------------------------------------------
+// Q = 0: exact (bank dtype); 1: bfloat16; 2: fp8 e4m3 + float32 absmax scale per row;
+// 3: int8 + float32 absmax scale per row.
+template <typename T, int Q> struct Snap { typedef T type; };
+template <typename T> struct Snap<T, 1> { typedef __nv_bfloat16 type; };
+template <typename T> struct Snap<T, 2> { typedef unsigned char type; };
+template <typename T> struct Snap<T, 3> { typedef signed char type; };
+
+template <int Q> struct QMax { static constexpr float v = 1.0f; };
+template <> struct QMax<2> { static constexpr float v = 448.0f; };
+template <> struct QMax<3> { static constexpr float v = 127.0f; };
+
+__device__ __forceinline__ unsigned char quant1(float x, float inv, unsigned char) {
+  return (unsigned char)__nv_cvt_float_to_fp8(x * inv, __NV_SATFINITE, __NV_E4M3);
+}
+__device__ __forceinline__ signed char quant1(float x, float inv, signed char) {
+  float q = rintf(x * inv);
+  q = fminf(127.0f, fmaxf(-127.0f, q));
+  return (signed char)(int)q;
+}
+__device__ __forceinline__ float dequant1(unsigned char q, float scale) {
+  __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)q, __NV_E4M3);
+  return __half2float(__half(h)) * scale;
+}
+__device__ __forceinline__ float dequant1(signed char q, float scale) { return (float)q * scale; }
+
+// ---- small helpers ------------------------------------------------------------------------
+template <typename I>
+__device__ __forceinline__ bool valid_id(I id, long long S) {
+  return (long long)id >= 0 && (long long)id < S;
+}
+
+// Records a rule violation in the host-mapped error word (a plain store: idempotent, needs no
+// system-scope atomics, and costs nothing unless an id is bad).
+__device__ __forceinline__ void flag_error(volatile int* err, int code) {
+  if (err) *err = code;
+}
+
+__device__ __forceinline__ void atomic_add(float* p, float v) { atomicAdd(p, v); }
+__device__ __forceinline__ void atomic_add(double* p, double v) { atomicAdd(p, v); }
+
+// Builds, for a dense L x L matrix in shared memory (row stride ld), the list of the non-zero
+// columns of each row (by_col = false) or the non-zero rows of each column (by_col = true):
+// idx[r * C + k], k < cnt[r]. One warp per row, two ballots per row (C <= 64).
+template <typename A>
+__device__ void build_lists(const A* M, int ld, int L, int C, unsigned char* idx, int* cnt,
+                            bool by_col) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarp = blockDim.x >> 5;
+  for (int r = warp; r < L; r += nwarp) {
+    int base = 0;
+    for (int h = 0; h < C; h += 32) {
+      int k = h + lane;
+      A v = (k < L) ? (by_col ? M[k * ld + r] : M[r * ld + k]) : A(0);
+      unsigned nz = __ballot_sync(0xffffffffu, v != A(0));
+      if (v != A(0)) idx[r * C + base + __popc(nz & ((1u << lane) - 1u))] = (unsigned char)k;
+      base += __popc(nz);
+    }
+    if (lane == 0) cnt[r] = base;
+  }
+}
+
+}  // namespace sdm

@@ -1,0 +1,215 @@
+// Chunked forward of SPEC §3. One block per (b, p, column tile); it walks the chunks of its
+// (b, p) in order and owns its tile of the bank rows, so its scatter needs no atomics.
+// Per chunk (L <= C tokens, matrices from sdm_prepass.cu):
+//   gather   X_t = sum_w a_{t,w} M0[i_{t,w}],  Y_t = sum_w c_{t,w} M0[j_{t,w}]   (16-byte pieces)
+//            and, when saving, the snapshot rows M0[i_{t,w}] (quantized for Q > 0)
+//   w0_t     = beta_t (v_t - X_t)
+//   u        = Ainv w0                        (sparse rows of Ainv, built in shared memory)
+//   r_t      = Y_t + sum_{tau<=t} H[t,tau] u_tau  -> readings
+//   scatter  M[slot] = M0[slot] + sum over the slot's write entries of a_{t,w} u_t, one thread
+//            per (slot, piece): the run head of the slot's sorted entries.
+// Ids outside [0, S) are skipped (the pre-pass flags them).
+
+#include "sdm_common.cuh"
+
+namespace sdm {
+
+constexpr int F_RUN_HEAD = 1 << 30, F_RUN_BAD = 1 << 29, F_QMASK = (1 << 14) - 1;
+
+template <typename T, typename V, typename A, typename I, int Q, int N>
+__global__ void __launch_bounds__(256)
+sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restrict__ aw,
+               const V* __restrict__ vals, const A* __restrict__ beta,
+               const I* __restrict__ ri, const A* __restrict__ cw,
+               const A* __restrict__ Ainv_g, const A* __restrict__ H_g,
+               const int* __restrict__ srt_g, V* __restrict__ out,
+               typename Snap<T, Q>::type* __restrict__ snap, float* __restrict__ scale,
+               int T_, int P, int hd, int W, long long S, int C, int Nt, int TW, int ntile,
+               int save, int vecmask) {
+  typedef typename Snap<T, Q>::type ST;
+  const int tile = blockIdx.x % ntile, bp = blockIdx.x / ntile, p = bp % P, b = bp / P;
+  const int D = P * hd, c0 = tile * TW, tw = min(TW, hd - c0);
+  const int NPC = (tw + N - 1) / N, TWP = ((TW + N - 1) / N) * N, ld = C + 1;
+  const bool vb = vecmask & 1, vv = vecmask & 2, vo = vecmask & 4, vs = vecmask & 8;
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  A* Ai_s = reinterpret_cast<A*>(smem);
+  A* H_s = Ai_s + C * ld;
+  A* X_s = H_s + C * ld;            // X, then w0 = beta (v - X)
+  A* Y_s = X_s + C * TWP;
+  A* U_s = Y_s + C * TWP;
+  A* beta_s = U_s + C * TWP;
+  float* amax_s = reinterpret_cast<float*>(beta_s + C);     // C*W (quantized modes)
+  int* srt_s = reinterpret_cast<int*>(amax_s + (Q > 1 ? C * W : 0));
+  int* pos_s = srt_s + 2 * C * W;
+  int* a_cnt = pos_s + C * W;
+  int* h_cnt = a_cnt + C;
+  unsigned char* a_idx = reinterpret_cast<unsigned char*>(h_cnt + C);
+  unsigned char* h_idx = a_idx + C * C;
+
+  T* bank_b = bank + (long long)b * S * D + p * hd + c0;
+  for (int n = 0; n < Nt; ++n) {
+    const int t0 = n * C, L = min(C, T_ - t0), Ne = L * W;
+    const long long chunk = (long long)bp * Nt + n;
+    const long long tokb = ((long long)b * T_ + t0) * P + p;     // [B, T, P] row of token t0
+    for (int i = threadIdx.x; i < L * C; i += blockDim.x) {
+      const int r = i / C, c = i % C;
+      Ai_s[r * ld + c] = Ainv_g[chunk * C * C + i];
+      H_s[r * ld + c] = H_g[chunk * C * C + i];
+    }
+    for (int i = threadIdx.x; i < 2 * Ne; i += blockDim.x) {
+      const int code = srt_g[chunk * 2 * C * W + i];
+      srt_s[i] = code;
+      const int q = code & F_QMASK;
+      if (q < Ne) pos_s[q] = i;
+    }
+    for (int t = threadIdx.x; t < L; t += blockDim.x) beta_s[t] = beta[tokb + (long long)t * P];
+    if (Q > 1)
+      for (int i = threadIdx.x; i < Ne; i += blockDim.x) amax_s[i] = 0.f;
+    __syncthreads();
+    build_lists(Ai_s, ld, L, C, a_idx, a_cnt, false);
+    build_lists(H_s, ld, L, C, h_idx, h_cnt, false);
+
+    // gather (every write row once: X and the snapshot; every read row once: Y)
+    for (int task = threadIdx.x; task < L * NPC; task += blockDim.x) {
+      const int t = task / NPC, cc = (task % NPC) * N, nv = min(N, tw - cc);
+      const long long tok = tokb + (long long)t * P;
+      A x[N], y[N];
+#pragma unroll
+      for (int i = 0; i < N; ++i) { x[i] = A(0); y[i] = A(0); }
+#pragma unroll 4
+      for (int w = 0; w < W; ++w) {
+        const long long off = tok * W + w;
+        const I id = wi[off];
+        T m[N];
+        const bool ok = valid_id(id, S);
+        if (ok) load_raw<N>(m, bank_b + (long long)id * D + cc, nv, vb);
+        else {
+#pragma unroll
+          for (int i = 0; i < N; ++i) m[i] = From<T>::cvt(0.0f);
+        }
+        const A a = ok ? aw[off] : A(0);
+#pragma unroll
+        for (int i = 0; i < N; ++i) x[i] += a * to_acc(m[i], A());
+        if (save) {
+          if constexpr (Q == 0) {
+            store_raw<N>(snap + off * hd + c0 + cc, m, nv, vs);
+          } else if constexpr (Q == 1) {
+            A mv[N];
+#pragma unroll
+            for (int i = 0; i < N; ++i) mv[i] = to_acc(m[i], A());
+            store_piece<N>(snap + off * hd + c0 + cc, mv, nv, vs);
+          } else {
+            float mx = 0.f;
+#pragma unroll
+            for (int i = 0; i < N; ++i) mx = fmaxf(mx, fabsf((float)to_acc(m[i], A())));
+            if (ok) atomicMax(reinterpret_cast<int*>(amax_s + t * W + w), __float_as_int(mx));
+          }
+        }
+      }
+#pragma unroll 4
+      for (int w = 0; w < W; ++w) {
+        const long long off = tok * W + w;
+        const I id = ri[off];
+        if (!valid_id(id, S)) continue;
+        A m[N];
+        load_piece<N>(m, bank_b + (long long)id * D + cc, nv, vb);
+        const A c = cw[off];
+#pragma unroll
+        for (int i = 0; i < N; ++i) y[i] += c * m[i];
+      }
+#pragma unroll
+      for (int i = 0; i < N; ++i) { X_s[t * TWP + cc + i] = x[i]; Y_s[t * TWP + cc + i] = y[i]; }
+    }
+    __syncthreads();
+
+    if constexpr (Q > 1) if (save) {  // second pass over the write rows (still M0): absmax-scaled bytes
+      for (int task = threadIdx.x; task < L * NPC; task += blockDim.x) {
+        const int t = task / NPC, cc = (task % NPC) * N, nv = min(N, tw - cc);
+        const long long tok = tokb + (long long)t * P;
+        for (int w = 0; w < W; ++w) {
+          const long long off = tok * W + w;
+          const I id = wi[off];
+          const float mx = amax_s[t * W + w];
+          const float inv = mx > 0.f ? QMax<Q>::v / mx : 0.f;
+          A m[N];
+          if (valid_id(id, S)) load_piece<N>(m, bank_b + (long long)id * D + cc, nv, vb);
+          else {
+#pragma unroll
+            for (int i = 0; i < N; ++i) m[i] = A(0);
+          }
+          ST qv[N];
+#pragma unroll
+          for (int i = 0; i < N; ++i) qv[i] = quant1((float)m[i], inv, ST());
+          store_raw<N>(snap + off * hd + c0 + cc, qv, nv, vs);
+          if (cc == 0 && tile == 0) scale[off] = mx / QMax<Q>::v;
+        }
+      }
+    }
+
+    // w0 = beta (v - X)
+    for (int task = threadIdx.x; task < L * NPC; task += blockDim.x) {
+      const int t = task / NPC, cc = (task % NPC) * N, nv = min(N, tw - cc);
+      A v[N];
+      load_piece<N>(v, vals + ((long long)b * T_ + t0 + t) * D + p * hd + c0 + cc, nv, vv);
+      const A bt = beta_s[t];
+#pragma unroll
+      for (int i = 0; i < N; ++i) X_s[t * TWP + cc + i] = bt * (v[i] - X_s[t * TWP + cc + i]);
+    }
+    __syncthreads();
+    // u = Ainv w0
+    for (int task = threadIdx.x; task < L * NPC; task += blockDim.x) {
+      const int t = task / NPC, cc = (task % NPC) * N;
+      A u[N];
+#pragma unroll
+      for (int i = 0; i < N; ++i) u[i] = A(0);
+      for (int k = 0; k < a_cnt[t]; ++k) {
+        const int tau = a_idx[t * C + k];
+        const A g = Ai_s[t * ld + tau];
+#pragma unroll
+        for (int i = 0; i < N; ++i) u[i] += g * X_s[tau * TWP + cc + i];
+      }
+#pragma unroll
+      for (int i = 0; i < N; ++i) U_s[t * TWP + cc + i] = u[i];
+    }
+    __syncthreads();
+    // readings r = Y + H u
+    for (int task = threadIdx.x; task < L * NPC; task += blockDim.x) {
+      const int t = task / NPC, cc = (task % NPC) * N, nv = min(N, tw - cc);
+      A r[N];
+#pragma unroll
+      for (int i = 0; i < N; ++i) r[i] = Y_s[t * TWP + cc + i];
+      for (int k = 0; k < h_cnt[t]; ++k) {
+        const int tau = h_idx[t * C + k];
+        const A h = H_s[t * ld + tau];
+#pragma unroll
+        for (int i = 0; i < N; ++i) r[i] += h * U_s[tau * TWP + cc + i];
+      }
+      store_piece<N>(out + ((long long)b * T_ + t0 + t) * D + p * hd + c0 + cc, r, nv, vo);
+    }
+    // scatter: the run head of each written slot rewrites the row once
+    for (int task = threadIdx.x; task < Ne * NPC; task += blockDim.x) {
+      const int e = task / NPC, cc = (task % NPC) * N, nv = min(N, tw - cc);
+      const int ps = pos_s[e], code = srt_s[ps];
+      if (!(code & F_RUN_HEAD) || (code & F_RUN_BAD)) continue;
+      const long long off = (tokb + (long long)(e / W) * P) * W + e % W;
+      T* row = bank_b + (long long)wi[off] * D + cc;
+      A m[N];
+      load_piece<N>(m, row, nv, vb);
+      for (int p2 = ps; p2 < 2 * Ne; ++p2) {
+        const int code2 = srt_s[p2];
+        if (p2 > ps && (code2 & F_RUN_HEAD)) break;
+        const int q2 = code2 & F_QMASK;
+        if (q2 >= Ne) break;                      // the slot's reads follow its writes
+        const int t2 = q2 / W;
+        const A a2 = aw[(tokb + (long long)t2 * P) * W + q2 % W];
+#pragma unroll
+        for (int i = 0; i < N; ++i) m[i] += a2 * U_s[t2 * TWP + cc + i];
+      }
+      store_piece<N>(row, m, nv, vb);
+    }
+    __syncthreads();
+  }
+}
+
+}  // namespace sdm

@@ -1,0 +1,84 @@
+"""Every CUDA kernel instance of the GPU backend compiles for sm_90 with NVRTC (no GPU needed).
+
+Uses ``cuda.bindings.nvrtc`` directly with the very sources, options and name expressions that
+``sdm_cupy.kernels._build.module_specs()`` hands to ``cupy.RawModule`` (plus the ``-arch`` and
+``-ftz=true`` that CuPy adds itself). One NVRTC program per source, holding every instance of
+that source; the programs compile in parallel threads (NVRTC is thread-safe).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+
+import pytest
+
+nvrtc = pytest.importorskip("cuda.bindings.nvrtc")
+
+from sdm_cupy.kernels import _build  # noqa: E402
+
+pytestmark = pytest.mark.nvrtc
+
+
+def _check(result, what):
+    err = result[0]
+    assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, f"{what}: {err}"
+    return result[1:]
+
+
+def _compile(src, text, opts, names, arch="sm_90"):
+    (prog,) = _check(nvrtc.nvrtcCreateProgram(text.encode(), f"{src}.cu".encode(), 0, [], []),
+                     "create")
+    try:
+        for n in names:
+            _check(nvrtc.nvrtcAddNameExpression(prog, n.encode()), f"name {n}")
+        o = [x.encode() for x in (*opts, f"-arch={arch}", "-ftz=true")]
+        err = nvrtc.nvrtcCompileProgram(prog, len(o), o)[0]
+        (size,) = _check(nvrtc.nvrtcGetProgramLogSize(prog), "log size")
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        log = log.decode(errors="replace").rstrip("\x00 ")
+        assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, f"{src}: {err}\n{log[:6000]}"
+        lowered = []
+        for n in names:
+            (low,) = _check(nvrtc.nvrtcGetLoweredName(prog, n.encode()), f"lowered {n}")
+            lowered.append(low)
+        (cubin_size,) = _check(nvrtc.nvrtcGetCUBINSize(prog), "cubin size")
+        return log, lowered, cubin_size
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def _per_source():
+    merged = {}
+    for src, text, opts, names in _build.module_specs():
+        entry = merged.setdefault(src, (text, opts, []))
+        entry[2].extend(n for n in names if n not in entry[2])
+    return merged
+
+
+def test_every_instance_is_listed():
+    specs = _per_source()
+    assert set(specs) == set(_build.SOURCES)
+    # 9 (bank, values) kinds x 2 index dtypes, each with its snapshot modes
+    assert len(specs["fwd"][2]) == 60
+    assert len(specs["bwd"][2]) == 84
+    assert len(specs["prepass"][2]) == 4
+
+
+def test_headers_are_found():
+    d = _build.include_dir()
+    for h in ("cuda_fp16.h", "cuda_bf16.h", "cuda_fp8.h"):
+        assert os.path.isfile(os.path.join(d, h)), h
+
+
+def test_all_kernels_compile_for_sm90():
+    specs = _per_source()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(specs)) as pool:
+        futures = {src: pool.submit(_compile, src, text, opts, names)
+                   for src, (text, opts, names) in specs.items()}
+        for src, fut in futures.items():
+            log, lowered, cubin_size = fut.result()
+            assert len(lowered) == len(specs[src][2])
+            assert cubin_size > 0, src
+            assert "warning" not in log.lower(), f"{src}: {log[:3000]}"
