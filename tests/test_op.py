@@ -348,6 +348,47 @@ def test_snapshot_quant(xp, rng, combo):
     assert np.isfinite(rewound.astype(np.float64)).all()
 
 
+ODD_QUANT = {
+    "f32-bank-int8-hd60": (np.float32, "int8", 60),
+    "f32-bank-fp8_e4m3-hd6": (np.float32, "fp8_e4m3", 6),
+    "f32-bank-bf16-hd3": (np.float32, "bf16", 3),
+    "bf16-bank-int8-hd60": (BF16, "int8", 60),
+}
+
+
+@pytest.mark.parametrize("combo", list(ODD_QUANT.values()), ids=list(ODD_QUANT))
+def test_snapshot_quant_odd_head_width(xp, rng, combo):
+    # an hd the quantized kernels may not tile: either served within the bounds above, or
+    # refused with UnsupportedConfigurationError before anything is modified (SPEC §5)
+    bank_dt, mode, hd = combo
+    pb = make_problem(rng, B=1, T=30, P=2, hd=hd, S=32, W=3, dtype=bank_dt)
+    dr, dM = random_grads(rng, pb)
+    x = pb.to(xp)
+    before = [to_numpy(a).copy() for a in x.args()]
+    cfg = cfg_for(pb, 8, snapshot_quant=mode)
+    try:
+        res = sdm.forward(x.bank, *x.inputs, cfg, inplace=True)
+    except sdm.UnsupportedConfigurationError as exc:
+        assert "snapshot_quant" in str(exc) or "hd" in str(exc), str(exc)
+        for name, b, now in zip(ARG_NAMES, before, x.args()):
+            assert_bitwise(now, b, f"{name} after the refusal")
+        res = None
+    r_ref, M_ref = reference_fwd(dataclasses.replace(pb, bank=before[0]))
+    want = reference_bwd(dataclasses.replace(pb, bank=before[0]), dr, dM)
+    if res is None:   # the refusal left everything usable: an exact-snapshot call works
+        res = sdm.forward(x.bank, *x.inputs, cfg_for(pb, 8), inplace=True)
+        bound = F32_RTOL if bank_dt == np.float32 else LOWP_RTOL[BF16]
+    else:
+        bound = QUANT_BOUNDS[mode][0]
+    fwd_tol = F32_RTOL if bank_dt == np.float32 else LOWP_RTOL[BF16]
+    assert_close(res.readings, r_ref, fwd_tol, "readings")
+    assert_close(res.bank, M_ref, fwd_tol, "final bank")
+    g = sdm.backward(res.saved, xp.asarray(dr), xp.asarray(dM))
+    for name, w in zip(GRAD_NAMES, want):
+        assert_close(getattr(g, name), w, bound, f"{mode} hd={hd}: grad {name}")
+    assert_close(x.bank, before[0], QUANT_BOUNDS[mode][1], "rewound bank")
+
+
 # ----------------------------------------------------------------------------- API semantics
 
 def test_needs_backward_false(xp, rng):
@@ -516,6 +557,30 @@ def test_property_cpu_forward_and_gradients_match_reference(drawn):
         pb = dataclasses.replace(pb, beta=pb.beta / shape["W"])
     dr, dM = random_grads(rng, pb, grad_bank)
     check_vs_reference(np, pb, cfg_for(pb, C), dr, dM, F64_RTOL)
+
+
+def test_concurrent_calls_from_threads(xp, rng):
+    # the CPU backend serialises its parallel sections; calls from several threads must each
+    # get their own correct result
+    from concurrent.futures import ThreadPoolExecutor
+    problems = [make_problem(rng, B=2, T=16, P=2, hd=8, S=16, W=3) for _ in range(6)]
+    wants = [reference_fwd(pb) for pb in problems]
+
+    def one(pb):
+        x = pb.to(xp)
+        res = sdm.forward(x.bank, *x.inputs, cfg_for(pb, 4))
+        g = sdm.backward(res.saved, xp.ones_like(res.readings))
+        if xp is not np:
+            xp.cuda.get_current_stream().synchronize()
+        return to_numpy(res.readings), to_numpy(g.values), to_numpy(res.bank)
+
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        outs = list(pool.map(one, problems))
+    for k, (pb, (r_ref, _), (readings, dv, rewound)) in enumerate(zip(problems, wants, outs)):
+        assert_close(readings, r_ref, F64_RTOL, f"thread call {k}: readings")
+        dv_ref = reference_bwd(pb, np.ones(pb.values.shape))[2]
+        assert_close(dv, dv_ref, F64_RTOL, f"thread call {k}: grad values")
+        assert_bitwise(rewound, pb.bank, f"thread call {k}: rewound bank")
 
 
 # ----------------------------------------------------------------------------- memory hygiene
