@@ -43,7 +43,8 @@ JAX arrays are immutable; DLPack cannot say so to CuPy, and CuPy ignores DLPack'
 flag: a CuPy view of a JAX buffer is writable and writing it is undefined behaviour for JAX.
 Never pass a view of a JAX array as a buffer that is written (``inplace=True``'s bank, or any
 output). On the CPU, ``from_dlpack`` marks NumPy views of JAX arrays read-only so that such a
-write fails loudly. JAX takes a CPU buffer without a copy only if its address is 64-byte
+write fails loudly (the output ``Buffer`` objects of ``jax.experimental.buffer_callback`` say
+``writeable=True`` and stay writable: they are meant to be written). JAX takes a CPU buffer without a copy only if its address is 64-byte
 aligned (jaxlib 0.10; NumPy guarantees 16): ``jax.dlpack.from_dlpack(y, copy=False)`` raises
 instead of copying silently. float64 needs ``jax.config.update("jax_enable_x64", True)``;
 without it JAX converts float64 imports to float32 (a copy).
@@ -147,7 +148,12 @@ def _take_capsule(x):
         return x.__dlpack__()
 
 
-def _from_jax(x) -> bool:
+def _read_only(x) -> bool:
+    """JAX arrays are immutable; a producer that says ``writeable`` (JAX's buffer_callback
+    ``Buffer``: False for inputs, True for outputs) is taken at its word."""
+    writeable = getattr(x, "writeable", None)
+    if isinstance(writeable, bool):
+        return not writeable
     return type(x).__module__.split(".")[0] in ("jax", "jaxlib")
 
 
@@ -158,7 +164,7 @@ def _cpu_view(x):
     view = np.from_dlpack(_Capsule(capsule, device))
     if bf16:
         view = view.view(_BF16)
-    if _from_jax(x) and view.flags.writeable:
+    if _read_only(x) and view.flags.writeable:
         view.flags.writeable = False   # JAX buffers are immutable (see module docstring)
     return view
 
