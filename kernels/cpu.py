@@ -59,10 +59,10 @@ from numba import njit, prange
 
 from sdm_cupy.config import UnsupportedConfigurationError  # noqa: F401 (refusals, see check_config)
 
-from .cpu_chunk import (build_overlaps, clear_overlaps, gather_entries, lower_bound,
-                        sort_slots, substitute)
+from .cpu_chunk import (build_overlaps, clear_overlaps, dot, gather_reads, gather_writes,
+                        hash_build, hash_clear, hash_find, hash_size, substitute)
 from .cpu_formats import (FMT_BF16, FMT_F16, FMT_NATIVE, SNAP_CODES, SNAP_EXACT, SNAP_OFF,
-                          dequantize_row, load_row, quantize_row, store_row)
+                          dequantize_row, quantize_row, store_row)
 
 __all__ = ["check_config", "sdm_fwd", "sdm_bwd", "expand_memory_batch", "sum_memory_batch",
            "CHUNK_CAP"]
@@ -78,9 +78,18 @@ _SNAP_VIEW = {"bf16": _BF16, "fp8_e4m3": np.dtype(ml_dtypes.float8_e4m3fn), "int
 # ------------------------------------------------------------------------------------ kernels
 
 @njit(cache=True)
-def _scratch(n, L, hd, dt):
+def _scratch(Lmax, W, hd, dt):
+    n = Lmax * W
     return (np.empty(n, np.int64), np.empty(n, dt), np.empty(n, np.int64), np.empty(n, dt),
-            np.empty(n, np.int64), np.empty(n, np.int64), np.empty((n, hd), dt))
+            np.empty((n, hd), dt), np.empty((Lmax, hd), dt), np.empty((Lmax, hd), dt),
+            np.empty((Lmax, hd), dt))
+
+
+@njit(cache=True)
+def _hash_scratch(n):
+    size = hash_size(n)
+    return (np.full(size, -1, np.int64), np.empty(size, np.int64), np.empty(size, np.int64),
+            np.empty(n, np.int64), np.empty(n, np.int64))
 
 
 @njit(cache=True)
@@ -103,77 +112,69 @@ def _fwd_head(bp, bank, fmt, wi, a, v, beta, ri, c, r, S, P, hd, C, mode, snap_n
     row0, c0 = b * S, p * hd
     Lmax = min(C, T)
     dt = a.dtype
-    wslot, wa, rslot, rc, order, sslot, R = _scratch(Lmax * W, Lmax, hd, dt)
+    wslot, wa, rslot, rc, R, X, E, U = _scratch(Lmax, W, hd, dt)
+    Y = np.empty((Lmax, hd), dt)
+    hkey, hhead, htail, enext, used = _hash_scratch(Lmax * W)
     G, gmark, gcols, gcnt, H, hmark, hcols, hcnt = _overlap_scratch(Lmax, dt)
-    X, E, U, Y = (np.empty((Lmax, hd), dt), np.empty((Lmax, hd), dt),
-                  np.empty((Lmax, hd), dt), np.empty((Lmax, hd), dt))
-    no_rows = np.empty((0, hd), dt)
-    tmp = np.empty(hd, dt)
+    no_dc = np.empty(0, dt)
+    acc = np.empty((1, hd), dt)
     u32 = np.empty(hd, np.uint32)
     f32v = u32.view(np.float32)
+    cv = (u32, f32v)
     badw = 0
     badr = 0
     for t0 in range(0, T, C):
         L = min(C, T - t0)
         n = L * W
-        # 1. write entries, M0 rows, snapshots
-        badw += gather_entries(wi, a, bank, fmt, b, p, t0, L, W, S, row0, c0, hd, wslot, wa, R,
-                               u32, f32v)
+        # 1. write entries, M0 rows (R), X = k·M0, snapshots
+        badw += gather_writes(wi, a, bank, fmt, b, p, t0, L, W, S, row0, c0, hd, wslot, wa,
+                              R, X, cv)
         if mode != SNAP_OFF:
             for e in range(n):
                 srow = _snapshot_row(b, p, t0 + e // W, e % W, P, T, W)
                 s = wslot[e]
                 if mode == SNAP_EXACT:
                     if s >= 0:
-                        snap_nat[srow, :] = bank[row0 + s, c0:c0 + hd]
+                        for k in range(hd):
+                            snap_nat[srow, k] = bank[row0 + s, c0 + k]
                     else:
-                        snap_nat[srow, :] = 0
+                        for k in range(hd):
+                            snap_nat[srow, k] = 0
                 else:
-                    quantize_row(R[e], hd, mode, srow, snap_u16, snap_u8, scales, u32, f32v)
+                    quantize_row(R, e, hd, mode, srow, snap_u16, snap_u8, scales, u32, f32v)
         # 2. read entries and Y = q·M0
-        badr += gather_entries(ri, c, bank, fmt, b, p, t0, L, W, S, row0, c0, hd, rslot, rc,
-                               no_rows, u32, f32v)
-        for t in range(L):
-            Y[t, :hd] = 0.0
-            for w in range(W):
-                e = t * W + w
-                if rslot[e] >= 0:
-                    load_row(bank, row0 + rslot[e], c0, hd, fmt, tmp, u32, f32v)
-                    cw = rc[e]
-                    for k in range(hd):
-                        Y[t, k] += cw * tmp[k]
+        badr += gather_reads(ri, c, bank, fmt, b, p, t0, T, L, W, S, row0, c0, hd, rslot, rc,
+                             Y, v, no_dc, acc, cv)
         # 3. overlaps, 4. forward substitution
-        sort_slots(wslot, n, order, sslot)
-        build_overlaps(n, W, wa, rslot, rc, order, sslot, G, gmark, gcols, gcnt, H, hmark,
-                       hcols, hcnt)
-        substitute(v, beta, b, p, t0, L, W, c0, hd, wa, R, G, gcols, gcnt, X, E, U)
-        # 5. readings
+        nused = hash_build(wslot, n, hkey, hhead, htail, enext, used)
+        build_overlaps(n, W, wa, rslot, rc, hkey, hhead, enext, used, nused, G, gmark, gcols,
+                       gcnt, H, hmark, hcols, hcnt)
+        substitute(v, beta, b, p, t0, T, L, c0, hd, X, G, gcols, gcnt, E, U)
+        # 5. readings r_t = Y_t + Σ H[t,τ] u_τ
         for t in range(L):
             for q in range(hcnt[t]):
                 tau = hcols[t, q]
                 h = H[t, tau]
                 for k in range(hd):
                     Y[t, k] += h * U[tau, k]
+            rr = b * T + t0 + t
             for k in range(hd):
-                r[b, t0 + t, c0 + k] = Y[t, k]
+                r[rr, c0 + k] = Y[t, k]
         # 6. M_end = M0 + Σ k u^T, one store per written slot
-        k0 = 0
-        while k0 < n:
-            s = sslot[k0]
-            k1 = k0 + 1
-            while k1 < n and sslot[k1] == s:
-                k1 += 1
-            if s >= 0:
-                tmp[:hd] = R[order[k0], :hd]
-                for kk in range(k0, k1):
-                    e = order[kk]
-                    aw = wa[e]
-                    t = e // W
-                    for k in range(hd):
-                        tmp[k] += aw * U[t, k]
-                store_row(bank, row0 + s, c0, hd, fmt, tmp, u32, f32v)
-            k0 = k1
+        for q in range(nused):
+            hb = used[q]
+            e = hhead[hb]
+            for k in range(hd):
+                acc[0, k] = R[e, k]
+            while e >= 0:
+                aw = wa[e]
+                t = e // W
+                for k in range(hd):
+                    acc[0, k] += aw * U[t, k]
+                e = enext[e]
+            store_row(bank, row0 + hkey[hb], c0, hd, fmt, acc, 0, u32, f32v)
         clear_overlaps(L, gmark, gcols, gcnt, hmark, hcols, hcnt)
+        hash_clear(hkey, used, nused)
     bad[bp, 0] = badw
     bad[bp, 1] = badr
 
@@ -181,7 +182,7 @@ def _fwd_head(bp, bank, fmt, wi, a, v, beta, ri, c, r, S, P, hd, C, mode, snap_n
 @njit(parallel=True, cache=True)
 def sdm_fwd_kernel(bank, fmt, wi, a, v, beta, ri, c, r, S, P, hd, C, mode, snap_nat, snap_u16,
                    snap_u8, scales, bad):
-    """SPEC §3 for every (b, p); see the module docstring."""
+    """SPEC §3 for every (b, p); see the module docstring. v, r are [B*T, D]."""
     B = wi.shape[0]
     for bp in prange(B * P):
         _fwd_head(bp, bank, fmt, wi, a, v, beta, ri, c, r, S, P, hd, C, mode, snap_nat,
@@ -189,40 +190,42 @@ def sdm_fwd_kernel(bank, fmt, wi, a, v, beta, ri, c, r, S, P, hd, C, mode, snap_
 
 
 @njit(cache=True)
-def overlap_grads(n, W, wa, rslot, rc, order, sslot, dG, dH, da, dc):
-    """The dG, dH terms of SPEC §4 step 5: walks the same slot runs as ``build_overlaps``."""
-    k0 = 0
-    while k0 < n:
-        s = sslot[k0]
-        k1 = k0 + 1
-        while k1 < n and sslot[k1] == s:
-            k1 += 1
-        if s >= 0 and k1 - k0 > 1:
-            for ka in range(k0, k1):
-                ea = order[ka]
-                ta = ea // W
-                for kb in range(k0, k1):
-                    eb = order[kb]
-                    tb = eb // W
-                    if tb < ta:
-                        d = dG[ta, tb]
-                        da[ea] += d * wa[eb]
-                        da[eb] += d * wa[ea]
-        k0 = k1
+def overlap_grads(n, W, wa, rslot, rc, hkey, hhead, enext, used, nused, dG, dH, da, dc):
+    """The dG, dH terms of SPEC §4 step 5: walks the same chains as ``build_overlaps``."""
+    for q in range(nused):
+        h = used[q]
+        first = hhead[h]
+        if enext[first] < 0:
+            continue
+        ea = enext[first]
+        while ea >= 0:
+            ta = ea // W
+            eb = first
+            while eb != ea:
+                tb = eb // W
+                if tb < ta:
+                    d = dG[ta, tb]
+                    da[ea] += d * wa[eb]
+                    da[eb] += d * wa[ea]
+                eb = enext[eb]
+            ea = enext[ea]
     for er in range(n):
         j = rslot[er]
         if j < 0:
             continue
+        h = hash_find(hkey, j)
+        if h < 0:
+            continue
         ts = er // W
-        k = lower_bound(sslot, n, j)
-        while k < n and sslot[k] == j:
-            e = order[k]
+        e = hhead[h]
+        while e >= 0:
             tt = e // W
-            if tt <= ts:
-                d = dH[ts, tt]
-                da[e] += d * rc[er]
-                dc[er] += d * wa[e]
-            k += 1
+            if tt > ts:
+                break
+            d = dH[ts, tt]
+            da[e] += d * rc[er]
+            dc[er] += d * wa[e]
+            e = enext[e]
 
 
 @njit(cache=True)
@@ -233,19 +236,20 @@ def _bwd_head(bp, bank, fmt, wi, a, v, beta, ri, c, dr, dM, S, P, hd, C, mode, s
     row0, c0 = b * S, p * hd
     Lmax = min(C, T)
     dt = a.dtype
-    wslot, wa, rslot, rc, order, sslot, R = _scratch(Lmax * W, Lmax, hd, dt)
-    G, gmark, gcols, gcnt, H, hmark, hcols, hcnt = _overlap_scratch(Lmax, dt)
-    X, E, U, Z = (np.empty((Lmax, hd), dt), np.empty((Lmax, hd), dt),
-                  np.empty((Lmax, hd), dt), np.empty((Lmax, hd), dt))
+    wslot, wa, rslot, rc, R, X, E, U = _scratch(Lmax, W, hd, dt)
+    Z = np.empty((Lmax, hd), dt)
     DR = np.empty((Lmax * W, hd), dt)
+    hkey, hhead, htail, enext, used = _hash_scratch(Lmax * W)
+    G, gmark, gcols, gcnt, H, hmark, hcols, hcnt = _overlap_scratch(Lmax, dt)
     dG = np.empty((Lmax, Lmax), dt)
     dH = np.empty((Lmax, Lmax), dt)
     da_c = np.empty(Lmax * W, dt)
     dc_c = np.empty(Lmax * W, dt)
     no_rows = np.empty((0, hd), dt)
-    tmp = np.empty(hd, dt)
+    tmp = np.empty((1, hd), dt)
     u32 = np.empty(hd, np.uint32)
     f32v = u32.view(np.float32)
+    cv = (u32, f32v)
     badw = 0
     badr = 0
     nchunks = (T + C - 1) // C
@@ -261,47 +265,42 @@ def _bwd_head(bp, bank, fmt, wi, a, v, beta, ri, c, dr, dM, S, P, hd, C, mode, s
                 continue
             srow = _snapshot_row(b, p, t0 + t, w, P, T, W)
             if mode == SNAP_EXACT:
-                bank[row0 + s, c0:c0 + hd] = snap_nat[srow, :]
-            else:
-                dequantize_row(mode, srow, hd, snap_u16, snap_u8, scales, tmp, u32, f32v)
-                store_row(bank, row0 + s, c0, hd, fmt, tmp, u32, f32v)
-        badw += gather_entries(wi, a, bank, fmt, b, p, t0, L, W, S, row0, c0, hd, wslot, wa, R,
-                               u32, f32v)
-        badr += gather_entries(ri, c, bank, fmt, b, p, t0, L, W, S, row0, c0, hd, rslot, rc,
-                               no_rows, u32, f32v)
-        for e in range(n):                       # dc_{t,w} = dY_t·M0[j] = dr_t·M0[j]
-            acc = 0.0
-            if rslot[e] >= 0:
-                load_row(bank, row0 + rslot[e], c0, hd, fmt, tmp, u32, f32v)
-                t = t0 + e // W
                 for k in range(hd):
-                    acc += dr[b, t, c0 + k] * tmp[k]
-            dc_c[e] = acc
-        sort_slots(wslot, n, order, sslot)
-        build_overlaps(n, W, wa, rslot, rc, order, sslot, G, gmark, gcols, gcnt, H, hmark,
-                       hcols, hcnt)
-        substitute(v, beta, b, p, t0, L, W, c0, hd, wa, R, G, gcols, gcnt, X, E, U)
-        # 2. du = H^T dr + k·dM (dM as at the chunk's end)
-        for e in range(n):
-            s = wslot[e]
-            if s >= 0:
-                DR[e, :hd] = dM[row0 + s, c0:c0 + hd]
+                    bank[row0 + s, c0 + k] = snap_nat[srow, k]
             else:
-                DR[e, :hd] = 0.0
+                dequantize_row(mode, srow, hd, snap_u16, snap_u8, scales, tmp, 0, u32, f32v)
+                store_row(bank, row0 + s, c0, hd, fmt, tmp, 0, u32, f32v)
+        badw += gather_writes(wi, a, bank, fmt, b, p, t0, L, W, S, row0, c0, hd, wslot, wa,
+                              R, X, cv)
+        badr += gather_reads(ri, c, bank, fmt, b, p, t0, T, L, W, S, row0, c0, hd, rslot, rc,
+                             no_rows, dr, dc_c, tmp, cv)      # dc_{t,w} = dr_t·M0[j]
+        nused = hash_build(wslot, n, hkey, hhead, htail, enext, used)
+        build_overlaps(n, W, wa, rslot, rc, hkey, hhead, enext, used, nused, G, gmark, gcols,
+                       gcnt, H, hmark, hcols, hcnt)
+        substitute(v, beta, b, p, t0, T, L, c0, hd, X, G, gcols, gcnt, E, U)
+        # 2. du = H^T dr + k·dM (dM as at the chunk's end), into Z
         for t in range(L):
-            Z[t, :hd] = 0.0
+            for k in range(hd):
+                Z[t, k] = 0
             for w in range(W):
                 e = t * W + w
-                aw = wa[e]
-                if aw != 0.0:
+                s = wslot[e]
+                if s < 0:
                     for k in range(hd):
-                        Z[t, k] += aw * DR[e, k]
+                        DR[e, k] = 0
+                    continue
+                aw = wa[e]
+                for k in range(hd):
+                    DR[e, k] = dM[row0 + s, c0 + k]
+                for k in range(hd):
+                    Z[t, k] += aw * DR[e, k]
         for s in range(L):
+            rs = b * T + t0 + s
             for q in range(hcnt[s]):
                 tau = hcols[s, q]
                 h = H[s, tau]
                 for k in range(hd):
-                    Z[tau, k] += h * dr[b, t0 + s, c0 + k]
+                    Z[tau, k] += h * dr[rs, c0 + k]
         # 3. back substitution: z_t = du_t − Σ_{s>t} β_s G[s,t] z_s
         for t in range(L - 1, -1, -1):
             bt = beta[b, t0 + t, p]
@@ -313,33 +312,26 @@ def _bwd_head(bp, bank, fmt, wi, a, v, beta, ri, c, dr, dM, S, P, hd, C, mode, s
         # 4. dv, dβ, dG, dH
         for t in range(L):
             bt = beta[b, t0 + t, p]
-            acc = 0.0
+            rt = b * T + t0 + t
             for k in range(hd):
-                dv[b, t0 + t, c0 + k] = bt * Z[t, k]
-                acc += Z[t, k] * E[t, k]
-            dbeta[b, t0 + t, p] = acc
+                dv[rt, c0 + k] = bt * Z[t, k]
+            dbeta[b, t0 + t, p] = dot(Z, t, 0, E, t, 0, hd)
             for q in range(gcnt[t]):
                 tau = gcols[t, q]
-                acc = 0.0
-                for k in range(hd):
-                    acc += Z[t, k] * U[tau, k]
-                dG[t, tau] = -bt * acc
+                dG[t, tau] = -bt * dot(Z, t, 0, U, tau, 0, hd)
             for q in range(hcnt[t]):
                 tau = hcols[t, q]
-                acc = 0.0
-                for k in range(hd):
-                    acc += dr[b, t0 + t, c0 + k] * U[tau, k]
-                dH[t, tau] = acc
+                dH[t, tau] = dot(dr, rt, c0, U, tau, 0, hd)
         # 5. da = u·dM[i] + dX·M0[i] + (dG, dH terms); dc += dH terms
         for e in range(n):
-            acc = 0.0
             if wslot[e] >= 0:
                 t = e // W
                 bt = beta[b, t0 + t, p]
-                for k in range(hd):
-                    acc += U[t, k] * DR[e, k] - bt * Z[t, k] * R[e, k]
-            da_c[e] = acc
-        overlap_grads(n, W, wa, rslot, rc, order, sslot, dG, dH, da_c, dc_c)
+                da_c[e] = dot(U, t, 0, DR, e, 0, hd) - bt * dot(Z, t, 0, R, e, 0, hd)
+            else:
+                da_c[e] = 0
+        overlap_grads(n, W, wa, rslot, rc, hkey, hhead, enext, used, nused, dG, dH, da_c,
+                      dc_c)
         for e in range(n):
             da[b, t0 + e // W, p, e % W] = da_c[e]
             dc[b, t0 + e // W, p, e % W] = dc_c[e]
@@ -354,11 +346,12 @@ def _bwd_head(bp, bank, fmt, wi, a, v, beta, ri, c, dr, dM, S, P, hd, C, mode, s
         for e in range(n):
             j = rslot[e]
             if j >= 0:
-                t = t0 + e // W
                 cw = rc[e]
+                rt = b * T + t0 + e // W
                 for k in range(hd):
-                    dM[row0 + j, c0 + k] += cw * dr[b, t, c0 + k]
+                    dM[row0 + j, c0 + k] += cw * dr[rt, c0 + k]
         clear_overlaps(L, gmark, gcols, gcnt, hmark, hcols, hcnt)
+        hash_clear(hkey, used, nused)
     bad[bp, 0] = badw
     bad[bp, 1] = badr
 
@@ -366,7 +359,7 @@ def _bwd_head(bp, bank, fmt, wi, a, v, beta, ri, c, dr, dM, S, P, hd, C, mode, s
 @njit(parallel=True, cache=True)
 def sdm_bwd_kernel(bank, fmt, wi, a, v, beta, ri, c, dr, dM, S, P, hd, C, mode, snap_nat,
                    snap_u16, snap_u8, scales, da, dv, dbeta, dc, bad):
-    """SPEC §4 for every (b, p); see the module docstring."""
+    """SPEC §4 for every (b, p); see the module docstring. v, dr, dv are [B*T, D]."""
     B = wi.shape[0]
     for bp in prange(B * P):
         _bwd_head(bp, bank, fmt, wi, a, v, beta, ri, c, dr, dM, S, P, hd, C, mode, snap_nat,
@@ -464,8 +457,9 @@ def sdm_fwd(lay, config, bank, write_idx, write_w, values, beta, read_idx, read_
     nat, u16, u8, sc = _snapshot_arrays(lay, bank_k, snapshots, mode)
     bad = np.zeros((B * P, 2), np.int64)
     with _LOCK:
-        sdm_fwd_kernel(bank_k, fmt, wi, a, v, be, ri, c, r, S, P, hd, _chunk(lay), mode, nat,
-                       u16, u8, sc, bad)
+        sdm_fwd_kernel(bank_k, fmt, wi, a, v.reshape(B * T, lay.D), be, ri, c,
+                       r.reshape(B * T, lay.D), S, P, hd, _chunk(lay), mode, nat, u16, u8, sc,
+                       bad)
     if bad.any():
         _raise_bad_ids(bad, lay, wi, ri)
     readings = r if r.dtype == lay.value_dtype else r.astype(lay.value_dtype)
@@ -495,8 +489,9 @@ def sdm_bwd(lay, config, bank, inputs, snapshots, dr, dM):
     dc = np.empty((B, T, P, W), cd)
     bad = np.zeros((B * P, 2), np.int64)
     with _LOCK:
-        sdm_bwd_kernel(bank_k, fmt, wi, a, v, be, ri, c, drk, dMk, S, P, hd, _chunk(lay), mode,
-                       nat, u16, u8, sc, da, dv, dbeta, dc, bad)
+        sdm_bwd_kernel(bank_k, fmt, wi, a, v.reshape(B * T, lay.D), be, ri, c,
+                       drk.reshape(B * T, lay.D), dMk, S, P, hd, _chunk(lay), mode, nat, u16,
+                       u8, sc, da, dv.reshape(B * T, lay.D), dbeta, dc, bad)
     if bad.any():
         _raise_bad_ids(bad, lay, wi, ri)
     d_bank = dMk if dMk.dtype == lay.grad_bank_dtype else dMk.astype(lay.grad_bank_dtype)

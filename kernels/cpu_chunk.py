@@ -1,17 +1,20 @@
 """Per-chunk building blocks of the Numba CPU kernels (SPEC §3), shared by forward and backward.
 
-One worker owns one (b, p) and walks its chunks; everything here acts on that worker's
-scratch (``Scratch`` below names the arrays) for one chunk of L tokens starting at t0. Entry
-e = t*W + w of a chunk is the address (t0+t, w); write entries carry slot ``wslot[e]`` and
-weight ``wa[e]``, read entries ``rslot[e]`` and ``rc[e]``. An id outside [0, S) becomes slot -1
-with weight 0: it matches nothing, is never gathered or scattered, and is counted.
+One worker owns one (b, p) and walks its chunks; everything here acts on that worker's scratch
+for one chunk of L tokens starting at t0. Entry e = t*W + w of a chunk is the address
+(t0+t, w); write entries carry slot ``wslot[e]`` and weight ``wa[e]``, read entries ``rslot[e]``
+and ``rc[e]``. An id outside [0, S) becomes slot -1 with weight 0: it matches nothing, is never
+gathered or scattered, and is counted.
 
-Overlaps (G, H) come from the write entries sorted by slot (a stable argsort, so sums run in a
-fixed order): entries of one slot form a run, G pairs up the entries of each run, and a read
-entry finds its run by binary search. The cost is the number of matching pairs, not C²W².
-G and H are kept as dense L×L matrices plus, per row, the list of columns that are set
-(``gcols[t, :gcnt[t]]``), so that substitutions touch only the nonzeros and clearing after the
-chunk costs what filling did.
+Overlaps (G, H) come from a small open-addressing hash of the chunk's write slots: each slot
+met gets a bucket (``hkey``) holding the chain of its write entries in increasing e (so in
+token order: ``hhead``, ``enext``); ``used`` lists the buckets in first-seen order. G pairs up
+the entries of each chain and a read entry finds its chain by one probe, so the cost is the
+number of matching pairs, not C²W². G and H are dense L×L matrices plus, per row, the list of
+columns that are set (``gcols[t, :gcnt[t]]``): substitutions touch only the nonzeros and
+clearing costs what filling did.
+
+Loops run in a fixed order, so results are bitwise reproducible from call to call.
 """
 
 from __future__ import annotations
@@ -19,102 +22,214 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .cpu_formats import load_row
+from .cpu_formats import FMT_NATIVE, load_row
+
+_HASH_MUL = 0x9E3779B1          # odd 32-bit multiplier (Knuth); slot ids are < 2^31
 
 
 @njit(cache=True)
-def lower_bound(a, n, x):
-    """First k in [0, n) with a[k] >= x (a sorted ascending), n when none."""
-    lo, hi = 0, n
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        if a[mid] < x:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
+def hash_size(n):
+    size = 16
+    while size < 2 * n:
+        size *= 2
+    return size
 
 
 @njit(cache=True)
-def gather_entries(idx, wts, bank, fmt, b, p, t0, L, W, S, row0, c0, hd, slot, wt, rows,
-                   u32, f32v):
-    """slot/wt of the chunk's entries from idx/wts [B, T, P, W]; rows[e] = M0[slot] (zeros for
-    a skipped id) when ``rows`` has any rows. Returns the number of ids outside [0, S)."""
+def _bucket0(s, mask):
+    return ((s * _HASH_MUL) >> 15) & mask
+
+
+@njit(cache=True)
+def hash_build(wslot, n, hkey, hhead, htail, enext, used):
+    """Chains the valid write entries by slot; returns the number of buckets used.
+    ``hkey`` must be all -1 on entry (``hash_clear`` restores that)."""
+    mask = hkey.shape[0] - 1
+    nused = 0
+    for e in range(n):
+        enext[e] = -1
+        s = wslot[e]
+        if s < 0:
+            continue
+        h = _bucket0(s, mask)
+        while True:
+            k = hkey[h]
+            if k == s:
+                enext[htail[h]] = e
+                htail[h] = e
+                break
+            if k < 0:
+                hkey[h] = s
+                hhead[h] = e
+                htail[h] = e
+                used[nused] = h
+                nused += 1
+                break
+            h = (h + 1) & mask
+    return nused
+
+
+@njit(cache=True)
+def hash_find(hkey, s):
+    """The bucket of slot s, -1 when the chunk writes no such slot."""
+    mask = hkey.shape[0] - 1
+    h = _bucket0(s, mask)
+    while True:
+        k = hkey[h]
+        if k == s:
+            return h
+        if k < 0:
+            return -1
+        h = (h + 1) & mask
+
+
+@njit(cache=True)
+def hash_clear(hkey, used, nused):
+    for q in range(nused):
+        hkey[used[q]] = -1
+
+
+@njit(cache=True)
+def dot(A, ia, ca, Bm, ib, cb, n):
+    """A[ia, ca:ca+n]·Bm[ib, cb:cb+n] with 8 interleaved partial sums (a fixed order:
+    reproducible, and vectorisable without fastmath). Rows are indexed, never sliced: an
+    array view costs two atomic reference-count updates, which two workers contend for."""
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = A[ia, ca] * 0
+    n8 = n - n % 8
+    for k in range(0, n8, 8):
+        s0 += A[ia, ca + k] * Bm[ib, cb + k]
+        s1 += A[ia, ca + k + 1] * Bm[ib, cb + k + 1]
+        s2 += A[ia, ca + k + 2] * Bm[ib, cb + k + 2]
+        s3 += A[ia, ca + k + 3] * Bm[ib, cb + k + 3]
+        s4 += A[ia, ca + k + 4] * Bm[ib, cb + k + 4]
+        s5 += A[ia, ca + k + 5] * Bm[ib, cb + k + 5]
+        s6 += A[ia, ca + k + 6] * Bm[ib, cb + k + 6]
+        s7 += A[ia, ca + k + 7] * Bm[ib, cb + k + 7]
+    for k in range(n8, n):
+        s0 += A[ia, ca + k] * Bm[ib, cb + k]
+    return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
+
+
+@njit(cache=True)
+def gather_writes(idx, wts, bank, fmt, b, p, t0, L, W, S, row0, c0, hd, slot, wt, R, X, cv):
+    """slot/wt of the chunk's write entries, R[e] = M0[slot] and X_t = Σ_w a_{t,w} R[e]
+    (zeros for a skipped id). ``cv`` is a (u32 [1, hd], its float32 view) pair of scratch
+    rows for 16-bit banks. Returns the number of ids outside [0, S)."""
     bad = 0
-    keep = rows.shape[0] > 0
     for t in range(L):
+        for k in range(hd):
+            X[t, k] = 0
         for w in range(W):
             e = t * W + w
             s = idx[b, t0 + t, p, w]
             if s < 0 or s >= S:
                 bad += 1
                 slot[e] = -1
-                wt[e] = 0.0
-                if keep:
-                    rows[e, :hd] = 0.0
+                wt[e] = 0
+                for k in range(hd):
+                    R[e, k] = 0
                 continue
             slot[e] = s
-            wt[e] = wts[b, t0 + t, p, w]
-            if keep:
-                load_row(bank, row0 + s, c0, hd, fmt, rows[e], u32, f32v)
+            aw = wts[b, t0 + t, p, w]
+            wt[e] = aw
+            if fmt == FMT_NATIVE:
+                for k in range(hd):
+                    R[e, k] = bank[row0 + s, c0 + k]
+            else:
+                load_row(bank, row0 + s, c0, hd, fmt, R, e, cv[0], cv[1])
+            for k in range(hd):
+                X[t, k] += aw * R[e, k]
     return bad
 
 
 @njit(cache=True)
-def sort_slots(wslot, n, order, sslot):
-    """order[:n] = stable argsort of wslot[:n]; sslot[k] = wslot[order[k]]."""
-    o = np.argsort(wslot[:n], kind="mergesort")
-    for k in range(n):
-        order[k] = o[k]
-        sslot[k] = wslot[o[k]]
+def gather_reads(idx, wts, bank, fmt, b, p, t0, T, L, W, S, row0, c0, hd, slot, wt, Y, dr, dc,
+                 tmp, cv):
+    """slot/wt of the chunk's read entries; then either Y_t = Σ_w c_{t,w} M0[j] (forward, when
+    Y has rows) or dc[e] = dr_t·M0[j] (backward; dr is [B*T, D])."""
+    bad = 0
+    fwd = Y.shape[0] > 0
+    for t in range(L):
+        if fwd:
+            for k in range(hd):
+                Y[t, k] = 0
+        for w in range(W):
+            e = t * W + w
+            s = idx[b, t0 + t, p, w]
+            if s < 0 or s >= S:
+                bad += 1
+                slot[e] = -1
+                wt[e] = 0
+                if not fwd:
+                    dc[e] = 0
+                continue
+            slot[e] = s
+            cw = wts[b, t0 + t, p, w]
+            wt[e] = cw
+            if fmt == FMT_NATIVE:
+                if fwd:
+                    for k in range(hd):
+                        Y[t, k] += cw * bank[row0 + s, c0 + k]
+                else:
+                    dc[e] = dot(dr, b * T + t0 + t, c0, bank, row0 + s, c0, hd)
+                continue
+            load_row(bank, row0 + s, c0, hd, fmt, tmp, 0, cv[0], cv[1])
+            if fwd:
+                for k in range(hd):
+                    Y[t, k] += cw * tmp[0, k]
+            else:
+                dc[e] = dot(dr, b * T + t0 + t, c0, tmp, 0, 0, hd)
+    return bad
 
 
 @njit(cache=True)
-def build_overlaps(n, W, wa, rslot, rc, order, sslot, G, gmark, gcols, gcnt, H, hmark, hcols,
-                   hcnt):
-    """G[t,τ] (τ<t) and H[t,τ] (τ<=t) of SPEC §3 from the sorted write entries."""
+def build_overlaps(n, W, wa, rslot, rc, hkey, hhead, enext, used, nused, G, gmark, gcols,
+                   gcnt, H, hmark, hcols, hcnt):
+    """G[t,τ] (τ<t) and H[t,τ] (τ<=t) of SPEC §3 from the hashed write entries."""
     L = n // W
     for t in range(L):
         gcnt[t] = 0
         hcnt[t] = 0
-    k0 = 0
-    while k0 < n:
-        s = sslot[k0]
-        k1 = k0 + 1
-        while k1 < n and sslot[k1] == s:
-            k1 += 1
-        if s >= 0 and k1 - k0 > 1:
-            for ka in range(k0, k1):
-                ea = order[ka]
-                ta = ea // W
-                for kb in range(k0, k1):
-                    eb = order[kb]
-                    tb = eb // W
-                    if tb < ta:
-                        if gmark[ta, tb] == 0:
-                            gmark[ta, tb] = 1
-                            gcols[ta, gcnt[ta]] = tb
-                            gcnt[ta] += 1
-                            G[ta, tb] = 0.0
-                        G[ta, tb] += wa[ea] * wa[eb]
-        k0 = k1
+    for q in range(nused):
+        h = used[q]
+        first = hhead[h]
+        if enext[first] < 0:
+            continue
+        ea = enext[first]
+        while ea >= 0:                 # pairs (eb before ea) of one slot's chain
+            ta = ea // W
+            eb = first
+            while eb != ea:
+                tb = eb // W
+                if tb < ta:
+                    if gmark[ta, tb] == 0:
+                        gmark[ta, tb] = 1
+                        gcols[ta, gcnt[ta]] = tb
+                        gcnt[ta] += 1
+                        G[ta, tb] = 0
+                    G[ta, tb] += wa[ea] * wa[eb]
+                eb = enext[eb]
+            ea = enext[ea]
     for er in range(n):
         j = rslot[er]
         if j < 0:
             continue
+        h = hash_find(hkey, j)
+        if h < 0:
+            continue
         ts = er // W
-        k = lower_bound(sslot, n, j)
-        while k < n and sslot[k] == j:
-            e = order[k]
+        e = hhead[h]
+        while e >= 0:
             tt = e // W
-            if tt <= ts:
-                if hmark[ts, tt] == 0:
-                    hmark[ts, tt] = 1
-                    hcols[ts, hcnt[ts]] = tt
-                    hcnt[ts] += 1
-                    H[ts, tt] = 0.0
-                H[ts, tt] += rc[er] * wa[e]
-            k += 1
+            if tt > ts:
+                break                  # chains are in token order
+            if hmark[ts, tt] == 0:
+                hmark[ts, tt] = 1
+                hcols[ts, hcnt[ts]] = tt
+                hcnt[ts] += 1
+                H[ts, tt] = 0
+            H[ts, tt] += rc[er] * wa[e]
+            e = enext[e]
 
 
 @njit(cache=True)
@@ -129,19 +244,13 @@ def clear_overlaps(L, gmark, gcols, gcnt, hmark, hcols, hcnt):
 
 
 @njit(cache=True)
-def substitute(v, beta, b, p, t0, L, W, c0, hd, wa, R, G, gcols, gcnt, X, E, U):
-    """X_t = k_t·M0, e_t = v_t − X_t − Σ_{τ<t} G[t,τ] u_τ, u_t = β_t e_t (forward
-    substitution of SPEC §3; e is kept for the backward's dβ)."""
+def substitute(v, beta, b, p, t0, T, L, c0, hd, X, G, gcols, gcnt, E, U):
+    """e_t = v_t − X_t − Σ_{τ<t} G[t,τ] u_τ, u_t = β_t e_t (forward substitution of SPEC §3;
+    v is [B*T, D]; e is kept for the backward's dβ)."""
     for t in range(L):
-        X[t, :hd] = 0.0
-        for w in range(W):
-            e = t * W + w
-            aw = wa[e]
-            if aw != 0.0:
-                for k in range(hd):
-                    X[t, k] += aw * R[e, k]
+        vr = b * T + t0 + t
         for k in range(hd):
-            E[t, k] = v[b, t0 + t, c0 + k] - X[t, k]
+            E[t, k] = v[vr, c0 + k] - X[t, k]
         for q in range(gcnt[t]):
             tau = gcols[t, q]
             g = G[t, tau]

@@ -14,7 +14,7 @@ float64, which would silently break the bit arithmetic.
 
 Snapshot quantization (SPEC §5) of one row of hd values:
 
-* ``bf16``: each value rounded to bfloat16 (relative error <= 2^-9).
+* ``bf16``: each value rounded to bfloat16 (relative error <= 2^-8).
 * ``fp8_e4m3`` (e4m3fn: bias 7, no inf, max 448): scale = absmax / 448 in float32, codes are
   RNE of x / scale, saturated at +-448; relative error <= 2^-4 for |x| >= 2^-6 * scale, absolute
   error <= 2^-10 * scale below that.
@@ -99,32 +99,33 @@ def f32_bits_to_bf16(x):
 
 
 @njit(cache=True)
-def load_row(src, r, c0, hd, fmt, out, u32, f32v):
-    """out[:hd] = src[r, c0:c0+hd] as numbers (decoding 16-bit bits when fmt says so)."""
+def load_row(src, r, c0, hd, fmt, out, orow, u32, f32v):
+    """out[orow, :hd] = src[r, c0:c0+hd] as numbers (decoding 16-bit bits when fmt says so).
+    Rows are indexed rather than sliced: a view costs atomic reference counting."""
     if fmt == FMT_NATIVE:
         for k in range(hd):
-            out[k] = src[r, c0 + k]
+            out[orow, k] = src[r, c0 + k]
     elif fmt == FMT_BF16:
         for k in range(hd):
             u32[k] = np.uint32(np.int64(src[r, c0 + k]) << 16)
         for k in range(hd):
-            out[k] = f32v[k]
+            out[orow, k] = f32v[k]
     else:
         for k in range(hd):
             u32[k] = np.uint32(f16_to_f32_bits(src[r, c0 + k]))
         for k in range(hd):
-            out[k] = f32v[k]
+            out[orow, k] = f32v[k]
 
 
 @njit(cache=True)
-def store_row(dst, r, c0, hd, fmt, vals, u32, f32v):
-    """dst[r, c0:c0+hd] = vals[:hd], rounded to the storage format (RNE)."""
+def store_row(dst, r, c0, hd, fmt, vals, vrow, u32, f32v):
+    """dst[r, c0:c0+hd] = vals[vrow, :hd], rounded to the storage format (RNE)."""
     if fmt == FMT_NATIVE:
         for k in range(hd):
-            dst[r, c0 + k] = vals[k]
+            dst[r, c0 + k] = vals[vrow, k]
     else:
         for k in range(hd):
-            f32v[k] = vals[k]
+            f32v[k] = vals[vrow, k]
         if fmt == FMT_BF16:
             for k in range(hd):
                 dst[r, c0 + k] = np.uint16(f32_bits_to_bf16(u32[k]))
@@ -179,17 +180,17 @@ def fp8_e4m3_decode(q):
 
 
 @njit(cache=True)
-def quantize_row(vals, hd, mode, srow, snap_u16, snap_u8, scales, u32, f32v):
-    """Stores vals[:hd] as snapshot row ``srow`` in ``mode`` (SNAP_BF16/FP8/INT8)."""
+def quantize_row(vals, vrow, hd, mode, srow, snap_u16, snap_u8, scales, u32, f32v):
+    """Stores vals[vrow, :hd] as snapshot row ``srow`` in ``mode`` (SNAP_BF16/FP8/INT8)."""
     if mode == SNAP_BF16:
         for k in range(hd):
-            f32v[k] = vals[k]
+            f32v[k] = vals[vrow, k]
         for k in range(hd):
             snap_u16[srow, k] = np.uint16(f32_bits_to_bf16(u32[k]))
         return
     amax = 0.0
     for k in range(hd):
-        x = abs(vals[k])
+        x = abs(vals[vrow, k])
         if x > amax:
             amax = x
     qmax = FP8_MAX if mode == SNAP_FP8 else INT8_MAX
@@ -202,12 +203,12 @@ def quantize_row(vals, hd, mode, srow, snap_u16, snap_u8, scales, u32, f32v):
     inv = 1.0 / np.float64(scale)
     if mode == SNAP_FP8:
         for k in range(hd):
-            f32v[k] = vals[k] * inv
+            f32v[k] = vals[vrow, k] * inv
         for k in range(hd):
             snap_u8[srow, k] = np.uint8(fp8_e4m3_encode(u32[k]))
     else:
         for k in range(hd):
-            q = np.rint(vals[k] * inv)
+            q = np.rint(vals[vrow, k] * inv)
             if q > INT8_MAX:
                 q = INT8_MAX
             elif q < -INT8_MAX:
@@ -216,21 +217,21 @@ def quantize_row(vals, hd, mode, srow, snap_u16, snap_u8, scales, u32, f32v):
 
 
 @njit(cache=True)
-def dequantize_row(mode, srow, hd, snap_u16, snap_u8, scales, out, u32, f32v):
-    """out[:hd] = the value of snapshot row ``srow`` stored in ``mode``."""
+def dequantize_row(mode, srow, hd, snap_u16, snap_u8, scales, out, orow, u32, f32v):
+    """out[orow, :hd] = the value of snapshot row ``srow`` stored in ``mode``."""
     if mode == SNAP_BF16:
         for k in range(hd):
             u32[k] = np.uint32(np.int64(snap_u16[srow, k]) << 16)
         for k in range(hd):
-            out[k] = f32v[k]
+            out[orow, k] = f32v[k]
         return
     scale = np.float64(scales[srow])
     if mode == SNAP_FP8:
         for k in range(hd):
-            out[k] = fp8_e4m3_decode(snap_u8[srow, k]) * scale
+            out[orow, k] = fp8_e4m3_decode(snap_u8[srow, k]) * scale
     else:
         for k in range(hd):
             q = np.int64(snap_u8[srow, k])
             if q >= 128:
                 q -= 256
-            out[k] = q * scale
+            out[orow, k] = q * scale

@@ -1,0 +1,331 @@
+"""Tests specific to the Numba CPU backend (sdm_cupy.kernels.cpu): the number formats on bits,
+bitwise determinism, the out-of-range id path with check_indices=False, thread safety,
+measured snapshot-quantization error bounds, and odd sizes. Everything is held to the float64
+reference (sdm_cupy.reference); the backend-agnostic suite is tests/test_op.py."""
+
+from __future__ import annotations
+
+import threading
+
+import ml_dtypes
+import numpy as np
+import pytest
+from numba import njit
+
+import sdm_cupy as sdm
+from helpers import BF16, assert_close, make_problem, reference_bwd, reference_fwd, rel_err
+from sdm_cupy.kernels import cpu
+from sdm_cupy.kernels import cpu_formats as F
+
+F64_RTOL = 1e-9
+
+
+def cfg_for(pb, C=8, **kw):
+    return sdm.SDMConfig(num_memory_slots=pb.S, num_parallel=pb.P, chunk_size=C, **kw)
+
+
+def run_fwd_bwd(pb, cfg, dr, dM=None, check_indices=True):
+    res = sdm.forward(*pb.args(), cfg, check_indices=check_indices)
+    readings, final = res.readings.copy(), res.bank.copy()
+    g = sdm.backward(res.saved, dr, dM)
+    return res, readings, final, g
+
+
+def assert_matches_reference(pb, cfg, rng, rtol=F64_RTOL, with_dM=True):
+    r_ref, M_ref = reference_fwd(pb)
+    dr = rng.normal(size=r_ref.shape)
+    dM = rng.normal(size=M_ref.shape) if with_dM else None
+    res, readings, final, g = run_fwd_bwd(pb, cfg, dr, dM)
+    want = reference_bwd(pb, dr, dM)
+    assert_close(readings, r_ref, rtol, "readings")
+    assert_close(final, M_ref, rtol, "final bank")
+    for name, got, ref in zip(("d_bank", "d_write_w", "d_values", "d_beta", "d_read_w"),
+                              (g.bank, g.write_w, g.values, g.beta, g.read_w), want):
+        assert_close(got, ref, rtol, name)
+    return res
+
+
+# ------------------------------------------------------------------------- number formats
+
+@njit
+def _apply(fn, x, out):
+    for i in range(x.size):
+        out[i] = fn(x[i])
+
+
+def _f32_samples(rng, n=200_000):
+    raw = rng.integers(0, 2 ** 32, size=n, dtype=np.uint64).astype(np.uint32)
+    scaled = (rng.normal(size=n) * np.exp(rng.uniform(-40, 15, size=n))).astype(np.float32)
+    edge = np.array([0.0, -0.0, np.inf, -np.inf, 65504, 65519.99, 65520, 65536, 6.1e-5,
+                     5.96e-8, 2.98e-8, 2.99e-8, 1e-45], np.float32)
+    return np.concatenate([raw, scaled.view(np.uint32), edge.view(np.uint32)])
+
+
+def test_float16_decode_is_exact_for_every_bit_pattern():
+    bits = np.arange(2 ** 16, dtype=np.uint16)
+    out = np.empty(bits.size, np.int64)
+    _apply(F.f16_to_f32_bits, bits, out)
+    got = out.astype(np.uint32).view(np.float32)
+    want = bits.view(np.float16).astype(np.float32)
+    nan = np.isnan(want)
+    assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+    assert np.isnan(got[nan]).all()
+
+
+@pytest.mark.parametrize("fmt", ["f16", "bf16"])
+def test_float_to_16bit_rounds_like_numpy(rng, fmt):
+    x = _f32_samples(rng)
+    out = np.empty(x.size, np.int64)
+    fn, dt = (F.f32_bits_to_f16, np.float16) if fmt == "f16" else (F.f32_bits_to_bf16, BF16)
+    _apply(fn, x, out)
+    xf = x.view(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = xf.astype(dt).view(np.uint16)
+    nan = np.isnan(xf)
+    got = out.astype(np.uint16)
+    assert np.array_equal(got[~nan], want[~nan]), f"{fmt}: round-to-nearest-even mismatch"
+    assert np.isnan(got[nan].view(dt).astype(np.float32)).all()
+
+
+def test_fp8_e4m3_codes_match_ml_dtypes(rng):
+    y = (rng.normal(size=200_000) * np.exp(rng.uniform(-16, 6, size=200_000))).astype(np.float32)
+    y = np.concatenate([np.clip(y, -448, 448), np.float32([0, -0.0, 448, -448, 2 ** -9, 2 ** -10])])
+    out = np.empty(y.size, np.int64)
+    _apply(F.fp8_e4m3_encode, y.view(np.uint32), out)
+    assert np.array_equal(out.astype(np.uint8), y.astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
+    big = np.float32([449, 464, 1e30, np.inf, -1e30]).view(np.uint32)
+    out = np.empty(big.size, np.int64)
+    _apply(F.fp8_e4m3_encode, big, out)
+    assert list(out & 0x7F) == [0x7E] * 5, "out-of-range values must saturate at 448"
+    codes = np.arange(256, dtype=np.uint8)
+    dec = np.empty(256)
+    _apply(F.fp8_e4m3_decode, codes, dec)
+    want = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    ok = ~np.isnan(want)
+    assert np.array_equal(dec[ok], want[ok]) and np.isnan(dec[~ok]).all()
+
+
+# ----------------------------------------------------------------- determinism and sizes
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_bitwise_deterministic_across_calls(rng, dtype):
+    dt = {"f32": np.float32, "bf16": BF16}[dtype]
+    pb = make_problem(rng, B=3, T=77, P=2, hd=16, S=40, W=4, dtype=dt, repeat=False)
+    cfg = cfg_for(pb, C=16)
+    dr = rng.normal(size=(pb.B, pb.T, pb.P * pb.hd)).astype(dt)
+    outs = []
+    for _ in range(2):
+        res, readings, final, g = run_fwd_bwd(pb, cfg, dr)
+        outs.append((readings, final, res.bank.copy(), g.bank, g.write_w, g.values, g.beta,
+                     g.read_w))
+    for name, x, y in zip(("readings", "final", "rewound", "d_bank", "d_write_w", "d_values",
+                           "d_beta", "d_read_w"), *outs):
+        assert np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8)), name
+
+
+@pytest.mark.parametrize("case", [
+    dict(B=1, T=5, P=3, hd=60, S=50, W=4, C=2, id="hd60"),
+    dict(B=2, T=9, P=2, hd=8, S=1, W=3, C=4, id="S1"),
+    dict(B=2, T=13, P=2, hd=8, S=16, W=2, C=1, id="C1"),
+    dict(B=1, T=1, P=1, hd=1, S=3, W=1, C=64, id="T1_hd1"),
+    dict(B=2, T=40, P=1, hd=4, S=20, W=5, C=300, id="C_above_cap_and_T"),
+], ids=lambda c: c["id"])
+def test_odd_sizes_float64(rng, case):
+    case = {k: v for k, v in case.items() if k != "id"}
+    C = case.pop("C")
+    pb = make_problem(rng, **case, repeat=case["S"] <= 3)
+    res = assert_matches_reference(pb, cfg_for(pb, C), rng)
+    assert np.array_equal(res.bank, pb.bank), "bank after backward must equal the input bank"
+
+
+def test_repeated_slots_within_and_across_tokens(rng):
+    pb = make_problem(rng, B=2, T=30, P=2, hd=8, S=64, W=4)
+    pb.write_idx[:, :, :, 1] = pb.write_idx[:, :, :, 0]          # repeat within a token
+    pb.write_idx[:, 1::2] = pb.write_idx[:, 0:-1:2]               # and across tokens
+    pb.read_idx[:, :, :, 2] = pb.write_idx[:, :, :, 3]            # read what was just written
+    pb.beta /= 4
+    res = assert_matches_reference(pb, cfg_for(pb, C=7), rng)
+    assert np.array_equal(res.bank, pb.bank)
+
+
+def test_large_S(rng):
+    pb = make_problem(rng, B=2, T=50, P=2, hd=8, S=100_000, W=4)
+    pb.write_idx[:, :, :, 0] = pb.S - 1                            # the last slot, repeated
+    pb.read_idx[:, ::3, :, 0] = pb.S - 1
+    res = assert_matches_reference(pb, cfg_for(pb, C=16), rng)
+    assert np.array_equal(res.bank, pb.bank)
+
+
+def test_chunk_cap_splits_long_chunks(rng):
+    T = cpu.CHUNK_CAP + 30
+    pb = make_problem(rng, B=1, T=T, P=1, hd=4, S=12, W=2)
+    r_ref, _ = reference_fwd(pb)
+    res = sdm.forward(*pb.args(), cfg_for(pb, C=10 * T), needs_backward=False)
+    assert_close(res.readings, r_ref, F64_RTOL, "readings")
+
+
+# ------------------------------------------------------------------ out-of-range ids path
+
+@pytest.mark.parametrize("which,bad", [("write_idx", -1), ("write_idx", 10 ** 9),
+                                       ("read_idx", -(2 ** 40)), ("read_idx", 7)])
+def test_out_of_range_ids_raise_and_never_touch_memory(rng, which, bad):
+    pb = make_problem(rng, B=2, T=12, P=2, hd=8, S=7, W=3, index_dtype=np.int64)
+    getattr(pb, which)[1, 5, 0, 2] = bad
+    guard = np.full((3, pb.P * pb.hd), 1234.5)
+    store = np.concatenate([guard, pb.bank, guard])              # rows around the bank
+    bank = store[3:-3]
+    before = pb.bank.copy()
+    with pytest.raises(ValueError, match=rf"{which}.*\[0, {pb.S}\)"):
+        sdm.forward(bank, *pb.inputs, cfg_for(pb, C=4), check_indices=False)
+    assert np.array_equal(bank, before), "inplace=False must leave the caller's bank alone"
+    with pytest.raises(ValueError, match=rf"{which}.*\[0, {pb.S}\)"):
+        sdm.forward(bank, *pb.inputs, cfg_for(pb, C=4), check_indices=False, inplace=True,
+                    needs_backward=False)
+    assert (store[:3] == 1234.5).all() and (store[-3:] == 1234.5).all(), "wrote out of bounds"
+
+
+def test_out_of_range_ids_are_skipped_like_zero_weights(rng):
+    """What the kernels compute for a skipped id: the op with that address's weight set to 0
+    (its slot is never read or written)."""
+    pb = make_problem(rng, B=1, T=10, P=1, hd=4, S=5, W=2, index_dtype=np.int64)
+    pb.write_idx[0, 3, 0, 1] = 99
+    pb.read_idx[0, 6, 0, 0] = -3
+    bank = pb.bank.copy()
+    with pytest.raises(ValueError):
+        sdm.forward(bank, *pb.inputs, cfg_for(pb, C=4), check_indices=False, inplace=True,
+                    needs_backward=False)
+    pb.write_w[0, 3, 0, 1] = 0
+    pb.write_idx[0, 3, 0, 1] = 0
+    pb.read_w[0, 6, 0, 0] = 0
+    pb.read_idx[0, 6, 0, 0] = 0
+    _, M_ref = reference_fwd(pb)
+    assert_close(bank, M_ref, F64_RTOL, "bank with skipped ids")
+
+
+# ------------------------------------------------------------------------- thread safety
+
+def test_concurrent_calls_from_four_threads(rng):
+    problems = [make_problem(rng, B=2, T=60, P=2, hd=16, S=64, W=4, dtype=np.float32)
+                for _ in range(4)]
+    drs = [rng.normal(size=(p.B, p.T, p.P * p.hd)).astype(np.float32) for p in problems]
+    cfgs = [cfg_for(p, C=16) for p in problems]
+    serial = [run_fwd_bwd(p, c, d) for p, c, d in zip(problems, cfgs, drs)]
+    results = [None] * 4
+    errors = []
+
+    def work(i):
+        try:
+            for _ in range(5):
+                results[i] = run_fwd_bwd(problems[i], cfgs[i], drs[i])
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for (_, r0, f0, g0), (_, r1, f1, g1) in zip(serial, results):
+        assert np.array_equal(r0, r1) and np.array_equal(f0, f1)
+        assert np.array_equal(g0.bank, g1.bank) and np.array_equal(g0.write_w, g1.write_w)
+
+
+# ------------------------------------------------------------------ snapshot quantization
+
+# Measured on random problems (this test asserts them with margin): relative RMS error of the
+# gradients / the rewound bank against the exact-snapshot run, float32 bank, hd=32.
+QUANT_BOUNDS = {
+    # mode: (max relative RMS of every gradient, of the rewound bank vs the initial bank)
+    "bf16": (2e-2, 4e-3),
+    "fp8_e4m3": (1.5e-1, 5e-2),
+    "int8": (6e-2, 1.5e-2),
+}
+
+
+@pytest.mark.parametrize("mode", list(QUANT_BOUNDS))
+def test_quantized_snapshot_error_bounds(rng, mode):
+    pb = make_problem(rng, B=2, T=48, P=2, hd=32, S=24, W=4, dtype=np.float32)
+    dr = rng.normal(size=(pb.B, pb.T, pb.P * pb.hd)).astype(np.float32)
+    dM = rng.normal(size=pb.bank.shape).astype(np.float32)
+    _, r_x, f_x, g_x = run_fwd_bwd(pb, cfg_for(pb, C=8), dr, dM)
+    res, r_q, f_q, g_q = run_fwd_bwd(pb, cfg_for(pb, C=8, snapshot_quant=mode), dr, dM)
+    # the forward does not depend on how snapshots are stored
+    assert np.array_equal(r_x, r_q) and np.array_equal(f_x, f_q)
+    g_bound, bank_bound = QUANT_BOUNDS[mode]
+    errs = {name: rel_err(q, x) for name, q, x in zip(
+        ("bank", "write_w", "values", "beta", "read_w"),
+        (g_q.bank, g_q.write_w, g_q.values, g_q.beta, g_q.read_w),
+        (g_x.bank, g_x.write_w, g_x.values, g_x.beta, g_x.read_w))}
+    bank_err = rel_err(res.bank, pb.bank)
+    print(mode, {k: f"{v:.1e}" for k, v in errs.items()}, f"rewound bank {bank_err:.1e}")
+    for name, e in errs.items():
+        assert e <= g_bound, f"{mode}: d_{name} relative RMS {e:.2e} > {g_bound:.0e}"
+        assert np.isfinite(e)
+    assert 0 < bank_err <= bank_bound, f"{mode}: rewound bank relative RMS {bank_err:.2e}"
+
+
+@pytest.mark.parametrize("mode,per_value", [("bf16", 2 ** -8), ("fp8_e4m3", 2 ** -4),
+                                            ("int8", 1 / 254)])
+def test_quantized_snapshot_rows_within_format_error(rng, mode, per_value):
+    """Every stored row decodes within the format's error: relative 2^-8 (bf16), 2^-4 of the
+    value or 2^-10 of the scale (fp8), half a step of absmax/127 (int8)."""
+    pb = make_problem(rng, B=2, T=20, P=2, hd=24, S=1000, W=3, dtype=np.float32)
+    pb.bank *= np.exp(rng.uniform(-6, 6, size=(pb.bank.shape[0], 1))).astype(np.float32)
+    for b in range(pb.B):          # every slot written at most once: snapshots = initial rows
+        for p in range(pb.P):
+            pb.write_idx[b, :, p] = rng.permutation(pb.S)[:pb.T * pb.W].reshape(pb.T, pb.W)
+    res = sdm.forward(*pb.args(), cfg_for(pb, C=8, snapshot_quant=mode))
+    rows, scales = res.saved.snapshots
+    assert rows.shape == (pb.B, pb.P, pb.T, pb.W, pb.hd)
+    M = pb.bank.reshape(pb.B, pb.S, pb.P, pb.hd).astype(np.float64)
+    bI = np.arange(pb.B)[:, None, None, None]
+    pI = np.arange(pb.P)[None, None, :, None]
+    want = M[bI, pb.write_idx, pI].transpose(0, 2, 1, 3, 4)      # [B, P, T, W, hd]
+    if mode == "bf16":
+        err = np.abs(rows.astype(np.float64) - want)
+        bound = per_value * np.abs(want)
+    else:
+        scale = scales[..., None].astype(np.float64)
+        err = np.abs(rows.astype(np.float64) * scale - want)
+        if mode == "fp8_e4m3":
+            bound = np.maximum(per_value * np.abs(want), 2 ** -10 * scale)
+        else:
+            bound = per_value * np.abs(want).max(axis=-1, keepdims=True)
+    ratio = float((err / np.maximum(bound, 1e-300)).max())
+    print(f"{mode}: max error / format bound = {ratio:.3f}")
+    assert ratio <= 1.0 + 1e-5, f"{mode}: a decoded row exceeds the format's error bound"
+
+
+def test_zero_rows_quantize_to_exact_zeros(rng):
+    pb = make_problem(rng, B=1, T=6, P=1, hd=8, S=4, W=2, dtype=np.float32)
+    pb.bank[:] = 0
+    for mode in ("fp8_e4m3", "int8"):
+        res = sdm.forward(*pb.args(), cfg_for(pb, C=2, snapshot_quant=mode))
+        g = sdm.backward(res.saved, np.ones((pb.B, pb.T, pb.hd), np.float32))
+        assert np.isfinite(g.write_w).all()
+        assert np.array_equal(res.bank, pb.bank), f"{mode}: zero rows must rewind exactly"
+
+
+# ------------------------------------------------------------- grad bank and batch helpers
+
+def test_low_precision_grad_bank_is_rounded_once(rng):
+    pb = make_problem(rng, B=2, T=30, P=2, hd=8, S=16, W=3, dtype=BF16)
+    dr = rng.normal(size=(pb.B, pb.T, pb.P * pb.hd)).astype(BF16)
+    g32 = run_fwd_bwd(pb, cfg_for(pb, grad_bank_fp32=True), dr)[3].bank
+    g16 = run_fwd_bwd(pb, cfg_for(pb, grad_bank_fp32=False), dr)[3].bank
+    assert g32.dtype == np.float32 and g16.dtype == BF16
+    assert np.array_equal(g16, g32.astype(BF16)), "bf16 grad bank = float32 sum rounded once"
+
+
+def test_sum_memory_batch_accumulates_in_float32(rng):
+    g = np.full((64 * 3, 5), 1 / 3, np.float16)
+    out = cpu.sum_memory_batch(g, 3)
+    assert out.dtype == np.float16
+    assert np.allclose(out.astype(np.float64), 64 * np.float64(np.float16(1 / 3)), rtol=1e-3)
+
+
+def test_needs_backward_false_saves_nothing(rng):
+    pb = make_problem(rng, B=1, T=4, P=1, hd=4, S=8, W=2)
+    res = sdm.forward(*pb.args(), cfg_for(pb), needs_backward=False)
+    assert res.saved is None
