@@ -119,8 +119,11 @@ CASES = {
     "S1": Case(S=1, W=2, repeat=True),
     "hd1": Case(hd=1),
     "hd60": Case(hd=60, T=24),
+    "hd130-wider-than-a-tile": Case(B=1, P=1, hd=130, T=20),
     "P4-hd4": Case(P=4, hd=4),
     "S50000-large": Case(S=50000, T=6, W=4, C=4),
+    "decode-shape-B64-T1": Case(B=64, T=1, P=2, hd=8, S=64, W=4, C=64),
+    "C64-W32-T70-wide-chunks": Case(B=1, P=1, T=70, S=4096, W=32, C=64),
     "int64-indices": Case(index_dtype=np.int64),
     "int64-indices-repeated": Case(W=4, S=16, repeat=True, index_dtype=np.int64),
 }
@@ -557,6 +560,25 @@ def test_property_cpu_forward_and_gradients_match_reference(drawn):
         pb = dataclasses.replace(pb, beta=pb.beta / shape["W"])
     dr, dM = random_grads(rng, pb, grad_bank)
     check_vs_reference(np, pb, cfg_for(pb, C), dr, dM, F64_RTOL)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_problems(), st.integers(1, 9))
+def test_property_cpu_float32_any_two_chunk_sizes_agree(drawn, other_C):
+    shape, C, grad_bank, seed = drawn
+    rng = np.random.default_rng(seed)
+    pb = make_problem(rng, dtype=np.float32, **shape)
+    if not shape["repeat"]:
+        pb = dataclasses.replace(pb, beta=(pb.beta / shape["W"]).astype(np.float32))
+    dr, dM = random_grads(rng, pb, grad_bank)
+    one = run_op(np, pb, cfg_for(pb, C), dr, dM)
+    two = run_op(np, pb, cfg_for(pb, other_C), dr, dM)
+    names = ("readings", "final bank", *(f"grad {n}" for n in GRAD_NAMES))
+    for name, a, b in zip(names, (one[1], one[2], *(getattr(one[3], n) for n in GRAD_NAMES)),
+                          (two[1], two[2], *(getattr(two[3], n) for n in GRAD_NAMES))):
+        assert_close(a, b, F32_RTOL, f"C={C} vs C={other_C}: {name}")
+    r_ref, _ = reference_fwd(pb)
+    assert_close(one[1], r_ref, F32_RTOL, "float32 readings vs reference")
 
 
 def test_concurrent_calls_from_threads(xp, rng):
