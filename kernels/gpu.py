@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import threading
 
 import numpy as np
@@ -99,10 +100,16 @@ class Plan:
 
 def _device_limits():
     import cupy
-    dev = cupy.cuda.Device()
-    attrs = dev.attributes
-    return (attrs["MultiProcessorCount"], attrs["MaxSharedMemoryPerBlockOptin"],
-            dev.compute_capability)
+    return _limits_of(cupy.cuda.Device().id)
+
+
+@functools.lru_cache(maxsize=None)
+def _limits_of(dev_id: int):
+    import cupy
+    rt = cupy.cuda.runtime
+    return (rt.deviceGetAttribute(rt.cudaDevAttrMultiProcessorCount, dev_id),
+            rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, dev_id),
+            cupy.cuda.Device(dev_id).compute_capability)
 
 
 def _smem(C, W, TW, N, acc_size, quant):
@@ -143,12 +150,13 @@ def plan(lay: Layout, config, *, quant=None, limits=None) -> Plan:
     TW = lay.hd if quant in ("fp8_e4m3", "int8") else _tile_width(lay, N, nsm)
     while True:
         pre, fwd, bwd = _smem(C, lay.W, TW, N, acc.itemsize, quant in ("fp8_e4m3", "int8"))
-        if max(pre, fwd, bwd) <= smem_max or C == 1:
+        need = max(pre, fwd) if TW == lay.hd and quant in ("fp8_e4m3", "int8") else max(pre, fwd, bwd)
+        if need <= smem_max or C == 1:
             break
         C = max(1, C // 2)
-    if max(pre, fwd, bwd) > smem_max:
+    if need > smem_max:
         raise UnsupportedConfigurationError(
-            f"head width hd={lay.hd} with snapshot_quant={quant!r} needs {max(pre, fwd, bwd)} "
+            f"head width hd={lay.hd} with snapshot_quant={quant!r} needs {need} "
             f"bytes of shared memory per block, more than this device's {smem_max}: the "
             "quantized kernels cannot tile it (one block holds a whole row to find its scale)")
     ntile = -(-lay.hd // TW)
@@ -186,10 +194,8 @@ def _aligned(x, N) -> bool:
 
 
 def _err_array():
-    import cupy
-    ptr = _error_word()
-    mem = cupy.cuda.UnownedMemory(ptr, 4, None)
-    return cupy.ndarray((1,), dtype=np.int32, memptr=cupy.cuda.MemoryPointer(mem, 0))
+    # the host-mapped word's address (unified addressing: the same pointer on the device)
+    return np.uint64(_error_word())
 
 
 def _prepass(lay, pl, acc, wi, aw, ri, cw, beta, want_G):

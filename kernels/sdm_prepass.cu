@@ -58,7 +58,7 @@ sdm_prepass_kernel(const I* __restrict__ wi, const A* __restrict__ aw, const I* 
         slot = (unsigned long long)id;
       } else {
         slot = KEY_BAD;
-        flag_error(err, 1);
+        flag_error(err, i < N ? 1 : 2);
       }
       key = (slot << QBITS) | (unsigned long long)i;
     }

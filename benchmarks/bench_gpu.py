@@ -1,0 +1,266 @@
+"""GPU benchmark of the SDM op (SPEC §10): tokens/s, byte floor, time/floor, peak memory, and
+FLA's chunk_delta_rule at the same B, T, heads and hd, in one run.
+
+    python3 benchmarks/bench_gpu.py [--quick] [--out DIR]
+
+The byte floor is the bytes the op cannot avoid moving (SPEC §10; distinct slots counted per
+chunk, as the kernels gather and write each distinct row once) over the bandwidth of a large
+device-to-device copy measured in the same run (bytes read + bytes written per second).
+Times are medians of CUDA-event timings after warm-up. Peak memory is the memory pool's
+high-water mark over one forward+backward (pool emptied first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+
+import cupy as cp
+import ml_dtypes
+
+import sdm_cupy as sdm
+from sdm_cupy.kernels import gpu
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def timeit(fn, reps=10, warmup=2):
+    for _ in range(warmup):
+        fn()
+    cp.cuda.get_current_stream().synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(cp.cuda.get_elapsed_time(a, b) * 1e-3)
+    return float(np.median(ts))
+
+
+def copy_bandwidth():
+    n = 1 << 30
+    src = cp.ones(n // 4, dtype=np.float32)
+    dst = cp.empty_like(src)
+    t = timeit(lambda: dst.__setitem__(Ellipsis, src), reps=20)
+    return 2 * n / t
+
+
+def distinct_per_chunk(idx, C):
+    """Distinct slot ids per (b, p, chunk): idx [B, T, P, W] (host)."""
+    B, T, P, W = idx.shape
+    Nt = -(-T // C)
+    pad = Nt * C - T
+    x = np.moveaxis(idx, 2, 1)                       # [B, P, T, W]
+    if pad:
+        x = np.concatenate([x, np.repeat(x[:, :, -1:], pad, axis=2)], axis=2)
+    x = np.sort(x.reshape(B, P, Nt, C * W), axis=-1)
+    return int((np.diff(x, axis=-1) != 0).sum() + B * P * Nt)
+
+
+def distinct_union(wi, ri, C):
+    return distinct_per_chunk(np.concatenate([wi, ri], axis=-1), C)
+
+
+def floors(B, T, P, hd, S, W, C, wi, ri, bank_sz=2, val_sz=2, w_sz=4, idx_sz=4, grad_sz=4):
+    D = P * hd
+    e = B * T * P * W
+    inputs = 2 * e * idx_sz + 2 * e * w_sz + B * T * P * w_sz + B * T * D * val_sz
+    uw, ur = distinct_per_chunk(wi, C), distinct_per_chunk(ri, C)
+    uwr = distinct_union(wi, ri, C)
+    row = hd * bank_sz
+    fwd = inputs + B * T * D * val_sz + e * row + (uw + ur) * row + uw * row
+    bwd = (inputs + B * T * D * val_sz + e * row + uw * row + ur * row
+           + 2 * uwr * hd * grad_sz + B * S * D * grad_sz
+           + B * T * D * val_sz + 2 * e * w_sz + B * T * P * w_sz)
+    return fwd, fwd + bwd
+
+
+def make_inputs(B, T, P, hd, S, W, seed=0):
+    rs = cp.random.RandomState(seed)
+    D = P * hd
+    bank = rs.standard_normal((B * S, D), dtype=np.float32).astype(BF16)
+    wi = rs.randint(0, S, size=(B, T, P, W), dtype=np.int32)
+    ri = rs.randint(0, S, size=(B, T, P, W), dtype=np.int32)
+    ww = (rs.uniform(-1, 1, size=(B, T, P, W), dtype=np.float32) / np.sqrt(W)).astype(np.float32)
+    rw = rs.standard_normal((B, T, P, W), dtype=np.float32)
+    v = rs.standard_normal((B, T, D), dtype=np.float32).astype(BF16)
+    beta = rs.uniform(0.1, 0.9, size=(B, T, P), dtype=np.float32)
+    dr = rs.standard_normal((B, T, D), dtype=np.float32).astype(BF16)
+    return bank, wi, ww, v, beta, ri, rw, dr
+
+
+def bench_sdm(B, T, P, hd, S, W, C, bw, reps=10, tile=None):
+    gpu.TILE_WIDTH = tile
+    bank, wi, ww, v, beta, ri, rw, dr = make_inputs(B, T, P, hd, S, W)
+    cfg = sdm.SDMConfig(num_memory_slots=S, num_parallel=P, chunk_size=C)
+
+    def fwd():
+        return sdm.forward(bank, wi, ww, v, beta, ri, rw, cfg, inplace=True, check_indices=False)
+
+    t_fwd_ns = timeit(lambda: sdm.forward(bank, wi, ww, v, beta, ri, rw, cfg, inplace=True,
+                                          needs_backward=False, check_indices=False), reps)
+    # forward (with snapshots) and forward+backward from one loop: events around the forward
+    # alone and around the pair; the backward rewinds the bank, so every rep sees the same bank
+    tf, tfb = [], []
+    for i in range(reps + 2):
+        e0, e1, e2 = cp.cuda.Event(), cp.cuda.Event(), cp.cuda.Event()
+        e0.record()
+        res = fwd()
+        e1.record()
+        sdm.backward(res.saved, dr)
+        e2.record()
+        e2.synchronize()
+        if i >= 2:
+            tf.append(cp.cuda.get_elapsed_time(e0, e1) * 1e-3)
+            tfb.append(cp.cuda.get_elapsed_time(e0, e2) * 1e-3)
+        del res
+    t_fwd, t_fb = float(np.median(tf)), float(np.median(tfb))
+    pool = cp.get_default_memory_pool()
+    cp.cuda.Device().synchronize()
+    pool.free_all_blocks()
+    base = pool.total_bytes()
+    res = fwd()
+    g = sdm.backward(res.saved, dr)
+    cp.cuda.Device().synchronize()
+    peak = pool.total_bytes() - base
+    del res, g
+    inputs_b = sum(a.nbytes for a in (wi, ww, v, beta, ri, rw, dr))
+    snaps = B * T * P * W * hd * 2
+    grad_bank = B * S * P * hd * 4
+    outputs = v.nbytes * 2 + ww.nbytes * 2 + beta.nbytes
+    f_fwd, f_fb = floors(B, T, P, hd, S, W, C, wi.get(), ri.get())
+    gpu.TILE_WIDTH = None
+    sdm.check_device_errors()
+    return dict(B=B, T=T, P=P, hd=hd, S=S, W=W, C=C, tile=tile or "auto",
+                t_fwd_nosnap_ms=t_fwd_ns * 1e3, t_fwd_ms=t_fwd * 1e3, t_fb_ms=t_fb * 1e3,
+                fwd_tok_s=B * T / t_fwd, fb_tok_s=B * T / t_fb,
+                floor_fwd_ms=f_fwd / bw * 1e3, floor_fb_ms=f_fb / bw * 1e3,
+                fwd_over_floor=t_fwd / (f_fwd / bw), fb_over_floor=t_fb / (f_fb / bw),
+                peak_mb=peak / 2 ** 20,
+                need_mb=(inputs_b + snaps + grad_bank + outputs) / 2 ** 20)
+
+
+def bench_fla(B, T, H, K, reps=10):
+    try:
+        import torch
+        from fla.ops.delta_rule import chunk_delta_rule
+    except Exception as exc:  # noqa: BLE001
+        return dict(error=f"{type(exc).__name__}: {exc}")
+    dev = "cuda"
+    torch.manual_seed(0)
+    q = torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, device=dev, dtype=torch.float32),
+                                      dim=-1).to(torch.bfloat16)
+    v = torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16)
+    beta = torch.rand(B, T, H, device=dev, dtype=torch.bfloat16)
+    do = torch.randn_like(v)
+
+    def tt(fn):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b) * 1e-3)
+        return float(np.median(ts))
+
+    def fwd():
+        with torch.no_grad():
+            chunk_delta_rule(q, k, v, beta, output_final_state=True)
+
+    qq, kk, vv, bb = (x.clone().requires_grad_(True) for x in (q, k, v, beta))
+
+    def fb():
+        o, _ = chunk_delta_rule(qq, kk, vv, bb, output_final_state=True)
+        o.backward(do)
+
+    t_f, t_fb = tt(fwd), tt(fb)
+    return dict(t_fwd_ms=t_f * 1e3, t_fb_ms=t_fb * 1e3, fwd_tok_s=B * T / t_f,
+                fb_tok_s=B * T / t_fb)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    t0 = time.time()
+    bw = copy_bandwidth()
+    print(f"device-to-device copy: {bw / 1e12:.2f} TB/s (read + write)", flush=True)
+    rows = []
+    head = dict(B=4, T=4096, P=8, hd=128, S=16384, W=16, C=64)
+
+    def run(tag, **kw):
+        cfg = {**head, **kw}
+        r = bench_sdm(**cfg, bw=bw, reps=5 if args.quick else 10)
+        r["case"] = tag
+        rows.append(r)
+        print(f"{tag:24s} fwd {r['t_fwd_ms']:7.3f} ms ({r['fwd_over_floor']:.2f}x floor)  "
+              f"fwd+bwd {r['t_fb_ms']:7.3f} ms ({r['fb_over_floor']:.2f}x)  "
+              f"peak {r['peak_mb']:.0f} MB (need {r['need_mb']:.0f})", flush=True)
+
+    run("headline")
+    for tile in (16, 32, 64):
+        run(f"headline tile={tile}", tile=tile)
+    run("headline W=8", W=8)
+    if not args.quick:
+        for S in (4096, 65536, 262144, 1 << 20):
+            run(f"S={S}", S=S)
+        for W in (4, 32):
+            run(f"W={W}", W=W)
+        for T in (1024, 16384):
+            run(f"T={T}", T=T)
+    fla = bench_fla(4, 4096, 8, 128)
+    print("FLA chunk_delta_rule B=4 T=4096 H=8 K=V=128 bf16:", fla, flush=True)
+    out = dict(device=cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+               copy_bw_TBs=bw / 1e12, rows=rows, fla=fla, wall_s=time.time() - t0)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_gpu.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    lines = ["| case | fwd ms | fwd tok/s | fwd/floor | fwd+bwd ms | fwd+bwd tok/s | fb/floor | "
+             "peak MB | need MB |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['case']} | {r['t_fwd_ms']:.3f} | {r['fwd_tok_s']:.3g} | "
+                     f"{r['fwd_over_floor']:.2f} | {r['t_fb_ms']:.3f} | {r['fb_tok_s']:.3g} | "
+                     f"{r['fb_over_floor']:.2f} | {r['peak_mb']:.0f} | {r['need_mb']:.0f} |")
+    if "t_fwd_ms" in fla:
+        lines.append(f"| FLA chunk_delta_rule (H=8, K=V=128) | {fla['t_fwd_ms']:.3f} | "
+                     f"{fla['fwd_tok_s']:.3g} | - | {fla['t_fb_ms']:.3f} | {fla['fb_tok_s']:.3g} "
+                     "| - | - | - |")
+    table = "\n".join(lines)
+    with open(os.path.join(args.out, "bench_gpu.md"), "w") as f:
+        f.write(table + "\n")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(9, 4))
+        x = np.arange(len(rows))
+        ax.bar(x - 0.2, [r["fwd_over_floor"] for r in rows], 0.4, label="forward / floor")
+        ax.bar(x + 0.2, [r["fb_over_floor"] for r in rows], 0.4, label="fwd+bwd / floor")
+        ax.axhline(1.3, color="C0", ls=":", lw=1)
+        ax.axhline(1.5, color="C1", ls=":", lw=1)
+        ax.set_xticks(x, [r["case"] for r in rows], rotation=45, ha="right", fontsize=7)
+        ax.set_ylabel("time / byte floor")
+        ax.set_title(f"sdm-cupy on {out['device']} (copy {bw / 1e12:.2f} TB/s)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(args.out, "bench_gpu.png"), dpi=120)
+    except Exception as exc:  # noqa: BLE001
+        print("plot failed:", exc)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

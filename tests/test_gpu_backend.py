@@ -1,0 +1,203 @@
+"""The CUDA backend on its own terms (marker ``gpu``; skipped without a device).
+
+Agreement with the float64 reference and with the CPU backend across the knobs that only change
+speed (tile width, chunk size), the device error flag of ``check_indices=False`` (bad ids are
+skipped, reported, and never touch memory outside the bank), NaN-poisoned scratch, and the
+absence of host synchronisation: forward+backward captured into a CUDA graph replays to the
+eager result.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import sdm_cupy as sdm
+from helpers import BF16, assert_close, make_problem, reference_bwd, reference_fwd, to_numpy
+
+pytestmark = pytest.mark.gpu
+
+cp = pytest.importorskip("cupy")
+GRADS = ("bank", "write_w", "values", "beta", "read_w")
+
+
+def _cfg(pb, C, **kw):
+    return sdm.SDMConfig(num_memory_slots=pb.S, num_parallel=pb.P, chunk_size=C, **kw)
+
+
+def _run(pb, cfg, dr, dM, **kw):
+    x = pb.to(cp)
+    res = sdm.forward(x.bank, *x.inputs, cfg, **kw)
+    out = (to_numpy(res.readings), to_numpy(res.bank))
+    g = sdm.backward(res.saved, cp.asarray(dr), None if dM is None else cp.asarray(dM))
+    return out, tuple(to_numpy(getattr(g, n)) for n in GRADS), to_numpy(res.bank)
+
+
+@pytest.fixture
+def tile_width():
+    from sdm_cupy.kernels import gpu
+    old = gpu.TILE_WIDTH
+    yield lambda w: setattr(gpu, "TILE_WIDTH", w)
+    gpu.TILE_WIDTH = old
+
+
+@pytest.mark.parametrize("tw", [None, 2, 6, 20], ids=lambda w: f"tile{w}")
+@pytest.mark.parametrize("C", [1, 5, 16, 64])
+def test_float64_tiles_and_chunks_match_reference(rng, tile_width, tw, C):
+    tile_width(tw)
+    pb = make_problem(rng, B=2, T=37, P=2, hd=20, S=40, W=5)
+    dr = rng.normal(size=pb.values.shape)
+    dM = rng.normal(size=pb.bank.shape)
+    (r, fin), grads, rewound = _run(pb, _cfg(pb, C), dr, dM)
+    r_ref, fin_ref = reference_fwd(pb)
+    assert_close(r, r_ref, 1e-9, "readings")
+    assert_close(fin, fin_ref, 1e-9, "final bank")
+    for name, got, want in zip(GRADS, grads, reference_bwd(pb, dr, dM)):
+        assert_close(got, want, 1e-9, f"grad {name}")
+    assert np.array_equal(rewound, pb.bank), "rewound bank differs from the initial bank"
+
+
+@pytest.mark.parametrize("tw", [None, 8, 24], ids=lambda w: f"tile{w}")
+def test_bf16_partial_pieces_match_reference(rng, tile_width, tw):
+    """hd = 20 is not a multiple of the 8-element bf16 piece: masked piece loads/stores."""
+    tile_width(tw)
+    pb = make_problem(rng, B=1, T=50, P=3, hd=20, S=64, W=4, dtype=BF16)
+    dr = rng.normal(size=pb.values.shape).astype(BF16)
+    (r, fin), grads, rewound = _run(pb, _cfg(pb, 16), dr, None)
+    r_ref, fin_ref = reference_fwd(pb)
+    assert_close(r, r_ref, 3e-2, "readings")
+    assert_close(fin, fin_ref, 3e-2, "final bank")
+    for name, got, want in zip(GRADS, grads, reference_bwd(pb, dr, None)):
+        assert_close(got, want, 5e-2, f"grad {name}")
+    assert np.array_equal(rewound.view(np.uint16), pb.bank.view(np.uint16))
+
+
+def test_gpu_agrees_with_cpu_float32(rng):
+    pb = make_problem(rng, B=2, T=130, P=4, hd=32, S=512, W=8, dtype=np.float32)
+    dr = rng.normal(size=pb.values.shape).astype(np.float32)
+    dM = rng.normal(size=pb.bank.shape).astype(np.float32)
+    cfg = _cfg(pb, 64)
+    (r, fin), grads, _ = _run(pb, cfg, dr, dM)
+    res = sdm.forward(pb.bank, *pb.inputs, cfg)
+    assert_close(r, res.readings, 1e-5, "readings gpu vs cpu")
+    assert_close(fin, res.bank, 1e-5, "final bank gpu vs cpu")
+    g = sdm.backward(res.saved, dr, dM)
+    for name, got in zip(GRADS, grads):
+        assert_close(got, getattr(g, name), 1e-4, f"grad {name} gpu vs cpu")
+
+
+def test_bad_ids_are_skipped_flagged_and_stay_in_bounds(rng):
+    pb = make_problem(rng, B=2, T=40, P=2, hd=16, S=32, W=4)
+    bad_w = pb.write_idx.copy()
+    bad_r = pb.read_idx.copy()
+    bad_w[0, 3, 1, 2] = pb.S          # one past the end of batch 0: would hit batch 1's rows
+    bad_w[1, 7, 0, 0] = -5
+    bad_r[1, 30, 1, 3] = 10 ** 6
+    pad = 8
+    big = cp.asarray(rng.normal(size=(2 * pad + pb.B * pb.S, pb.P * pb.hd)))
+    guard = big.copy()
+    bank = big[pad:pad + pb.B * pb.S]
+    bank[...] = cp.asarray(pb.bank)
+    guard[pad:pad + pb.B * pb.S] = bank
+    x = pb.to(cp)
+    sdm.check_device_errors()      # start clean
+    res = sdm.forward(bank, cp.asarray(bad_w), x.write_w, x.values, x.beta, cp.asarray(bad_r),
+                      x.read_w, _cfg(pb, 8), inplace=True, check_indices=False)
+    with pytest.raises(ValueError, match="num_memory_slots"):
+        sdm.check_device_errors()
+    sdm.check_device_errors()      # reset=True cleared it
+    # skipped == weight 0 at a valid id
+    ref = pb.to(np)
+    ww, rw = pb.write_w.copy(), pb.read_w.copy()
+    mask_w, mask_r = (bad_w < 0) | (bad_w >= pb.S), (bad_r < 0) | (bad_r >= pb.S)
+    ww[mask_w] = 0
+    rw[mask_r] = 0
+    fixed = type(pb)(**{**pb.__dict__, "write_idx": np.where(mask_w, 0, bad_w),
+                        "read_idx": np.where(mask_r, 0, bad_r), "write_w": ww, "read_w": rw})
+    r_ref, fin_ref = reference_fwd(fixed)
+    assert_close(res.readings, r_ref, 1e-9, "readings with skipped ids")
+    assert_close(bank, fin_ref, 1e-9, "final bank with skipped ids")
+    outside = np.r_[0:pad, pad + pb.B * pb.S:2 * pad + pb.B * pb.S]
+    assert cp.array_equal(big[outside], guard[outside]), "rows outside the bank were written"
+    dr = rng.normal(size=pb.values.shape)
+    g = sdm.backward(res.saved, cp.asarray(dr))
+    with pytest.raises(ValueError):
+        sdm.check_device_errors()
+    assert cp.array_equal(big[outside], guard[outside]), "backward wrote outside the bank"
+    assert_close(bank, pb.bank, 1e-12, "rewound bank")
+    want = reference_bwd(fixed, dr, None)
+    assert_close(g.values, want[2], 1e-9, "grad values with skipped ids")
+    assert_close(g.bank, want[0], 1e-9, "grad bank with skipped ids")
+    assert float(abs(to_numpy(g.write_w)[mask_w]).max()) == 0.0
+    assert float(abs(to_numpy(g.read_w)[mask_r]).max()) == 0.0
+
+
+def test_nan_poisoned_scratch(rng, monkeypatch):
+    """Every fresh buffer the backend takes starts as NaN (floats) or -1 bytes (ints): a read of
+    memory that no kernel wrote shows up as NaN or a wrong result."""
+    empty = cp.empty
+
+    def poisoned(shape, dtype=float, order="C"):
+        a = empty(shape, dtype=dtype, order=order)
+        if np.dtype(dtype) == BF16:
+            a.view(np.uint16).fill(0x7FC0)
+        elif np.dtype(dtype).kind == "f":
+            a.fill(np.nan)
+        else:
+            a.view(np.uint8).fill(0xFF)
+        return a
+
+    monkeypatch.setattr(cp, "empty", poisoned)
+    pb = make_problem(rng, B=2, T=45, P=2, hd=12, S=30, W=3)
+    dr = rng.normal(size=pb.values.shape)
+    dM = rng.normal(size=pb.bank.shape)
+    (r, fin), grads, _ = _run(pb, _cfg(pb, 16), dr, dM)
+    r_ref, fin_ref = reference_fwd(pb)
+    assert_close(r, r_ref, 1e-9, "readings")
+    assert_close(fin, fin_ref, 1e-9, "final bank")
+    for name, got, want in zip(GRADS, grads, reference_bwd(pb, dr, dM)):
+        assert_close(got, want, 1e-9, f"grad {name}")
+
+
+@pytest.mark.parametrize("mode", [None, "int8"])
+def test_graph_capture_replays_to_the_eager_result(rng, mode):
+    """forward + backward with check_indices=False contain no host sync: they capture (relaxed
+    mode, private pool) and a replay gives the eager result."""
+    pb = make_problem(rng, B=2, T=70, P=2, hd=16, S=48, W=4, dtype=np.float32)
+    x = pb.to(cp)
+    cfg = _cfg(pb, 32, snapshot_quant=mode)
+    dr = cp.asarray(rng.normal(size=pb.values.shape).astype(np.float32))
+
+    def step():
+        res = sdm.forward(x.bank, *x.inputs, cfg, check_indices=False)
+        g = sdm.backward(res.saved, dr)
+        return (res.readings, res.bank) + tuple(getattr(g, n) for n in GRADS)
+
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        eager = [to_numpy(a) for a in step()]      # also compiles and loads every module
+        pool = cp.cuda.MemoryPool()
+        with cp.cuda.using_allocator(pool.malloc):
+            stream.begin_capture()
+            outs = step()
+            graph = stream.end_capture()
+            graph.launch(stream)
+            stream.synchronize()
+            replay = [to_numpy(a) for a in outs]
+    names = ("readings", "rewound bank") + GRADS
+    for name, got, want in zip(names, replay, eager):
+        # the weight grads sum tiles with atomics: equal up to float32 rounding
+        assert_close(got, want, 1e-6, f"replay vs eager: {name}")
+    assert np.array_equal(replay[0], eager[0]), "forward readings are deterministic"
+
+
+def test_expand_and_sum_memory_batch(rng):
+    for dt in (np.float64, np.float32, BF16):
+        param = rng.normal(size=(24, 10)).astype(dt)
+        out = sdm.expand_memory_batch(cp.asarray(param), 3)
+        assert out.shape == (72, 10) and out.dtype == param.dtype
+        assert np.array_equal(to_numpy(out).astype(np.float64), np.tile(param, (3, 1)).astype(np.float64))
+        grad = rng.normal(size=(72, 10)).astype(dt)
+        s = sdm.sum_memory_batch(cp.asarray(grad), 24)
+        want = grad.astype(np.float64).reshape(3, 24, 10).sum(0)
+        assert_close(s, want, 1e-2 if dt == BF16 else 1e-6, f"sum_memory_batch {np.dtype(dt)}")
