@@ -144,6 +144,8 @@ def forward(bank, write_idx, write_w, values, beta, read_idx, read_w, config: SD
         V.check_index_range("read_idx", read_idx, lay.S)
     if inplace and not bank.flags.c_contiguous:
         raise ValueError("bank must be C-contiguous when inplace=True")
+    if inplace and not getattr(bank.flags, "writeable", True):
+        raise ValueError("bank must be writeable when inplace=True (it is a read-only array)")
     wd, idx = lay.weight_dtype, lay.index_dtype
     inputs = (_contiguous(xp, write_idx, idx), _contiguous(xp, write_w, wd),
               _contiguous(xp, values), _contiguous(xp, beta, wd),

@@ -110,6 +110,7 @@ CASES = {
     "C1": Case(T=20, C=1),
     "C7-not-a-divisor": Case(T=20, C=7),
     "C-larger-than-T": Case(T=5, C=64),
+    "C1000-T300-longer-than-any-cap": Case(B=1, P=1, hd=4, S=64, W=2, T=300, C=1000),
     "W1": Case(W=1),
     "W16-many-overlaps": Case(W=16, S=24, T=16, C=8),
     "repeated-slots": Case(W=4, S=16, T=30, C=8, repeat=True),
@@ -167,6 +168,31 @@ def test_non_contiguous_inputs(xp, rng):
     assert_close(final, M_ref, F64_RTOL, "final bank")
     for name, w in zip(GRAD_NAMES, reference_bwd(pb, dr, dM)):
         assert_close(getattr(g, name), w, F64_RTOL, f"grad {name}")
+
+
+def test_read_only_inputs_cpu(rng):
+    # NumPy views of JAX CPU buffers are read-only; the op only reads its inputs and dr, dM
+    pb = make_problem(rng, T=12)
+    dr, dM = random_grads(rng, pb)
+    for a in (*pb.inputs, dr, dM):
+        a.flags.writeable = False
+    check_vs_reference(np, pb, cfg_for(pb, 4), dr, dM, F64_RTOL)
+
+
+def test_gradients_of_other_dtypes_and_layouts(xp, rng):
+    # dr and dM are cast to the call's dtypes: a float64 strided dr and a bfloat16 or float64
+    # dM for a float32 call give the reference gradients of those (exactly representable) values
+    pb = make_problem(rng, T=16, dtype=np.float32)
+    dr = rng.normal(size=(pb.B, 2 * pb.T, pb.P * pb.hd))[:, ::2]
+    dr32 = dr.astype(np.float32)
+    for dM in (rng.normal(size=pb.bank.shape).astype(BF16), rng.normal(size=pb.bank.shape),
+               np.asfortranarray(rng.normal(size=pb.bank.shape).astype(np.float32))):
+        x = pb.to(xp)
+        res = sdm.forward(x.bank, *x.inputs, cfg_for(pb, 4))
+        g = sdm.backward(res.saved, xp.asarray(dr), xp.asarray(dM))
+        for name, w in zip(GRAD_NAMES, reference_bwd(pb, dr32, dM.astype(np.float32))):
+            assert_close(getattr(g, name), w, F32_RTOL, f"dM {dM.dtype}: grad {name}")
+        assert to_numpy(g.bank).dtype == np.float32
 
 
 # ----------------------------------------------------------------------------- float32

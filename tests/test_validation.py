@@ -501,3 +501,15 @@ def test_unchecked_bad_ids_are_skipped_and_reported(xp, rng, case):
     assert np.all(host[:3] == 12345.0) and np.all(host[-3:] == 12345.0), (
         "an out-of-range id wrote outside the bank")
     assert_close(host[3:-3], M_ref, F64_RTOL, "bank updated with the bad id skipped")
+
+
+def test_inplace_needs_a_writeable_bank_cpu(rng):
+    pb = base_problem(rng)
+    bank = pb.bank.copy()
+    bank.flags.writeable = False
+    with pytest.raises(ValueError, match="bank.*writeable"):
+        sdm.forward(bank, *pb.inputs, good_config(), inplace=True)
+    assert bitwise_equal(bank, pb.bank)
+    _, M_ref = reference_fwd(pb)
+    res = sdm.forward(bank, *pb.inputs, good_config(), inplace=False)
+    assert_close(res.bank, M_ref, F64_RTOL, "final bank from a read-only bank")
