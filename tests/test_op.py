@@ -110,6 +110,7 @@ CASES = {
     "C1": Case(T=20, C=1),
     "C7-not-a-divisor": Case(T=20, C=7),
     "C-larger-than-T": Case(T=5, C=64),
+    "C-huge-1e6-T5": Case(T=5, C=10 ** 6),
     "C1000-T300-longer-than-any-cap": Case(B=1, P=1, hd=4, S=64, W=2, T=300, C=1000),
     "W1": Case(W=1),
     "W16-many-overlaps": Case(W=16, S=24, T=16, C=8),
@@ -512,11 +513,21 @@ def test_expand_and_sum_memory_batch(xp, rng, dtype):
     dt = BF16 if dtype == "bfloat16" else np.dtype(dtype)
     S, D, B = 7, 12, 3
     param = rng.normal(size=(S, D)).astype(dt)
-    out = sdm.expand_memory_batch(xp.asarray(param), B)
-    assert type(out) is type(xp.asarray(param))
+    p = xp.asarray(param)
+    out = sdm.expand_memory_batch(p, B)
+    assert type(out) is type(p)
     assert_bitwise(out, np.tile(param, (B, 1)), "expand_memory_batch vs numpy.tile")
+    # the expanded bank is handed to forward(inplace=True): it must never alias the parameter
+    one = sdm.expand_memory_batch(p, 1)
+    assert not xp.shares_memory(out, p) and not xp.shares_memory(one, p)
+    assert_bitwise(one, param, "expand_memory_batch(param, 1)")
     grad = rng.normal(size=(B * S, D)).astype(dt)
-    summed = sdm.sum_memory_batch(xp.asarray(grad), S)
+    g = xp.asarray(grad)
+    summed = sdm.sum_memory_batch(g, S)
+    assert not xp.shares_memory(summed, g)
+    single = sdm.sum_memory_batch(g[:S], S)
+    assert not xp.shares_memory(single, g)
+    assert_bitwise(single, grad[:S], "sum_memory_batch of one copy")
     want = grad.astype(np.float64).reshape(B, S, D).sum(axis=0)
     assert to_numpy(summed).dtype == dt and tuple(summed.shape) == (S, D)
     # accumulated in float32 at least, then rounded once to the grad's dtype
