@@ -32,3 +32,12 @@ def test_jax_vjp_example():
     pytest.importorskip("jax")
     out = run_example("jax_vjp.py")
     assert "PASSED" in out and "MISMATCH" not in out
+
+
+def test_associative_recall_ci_run(tmp_path):
+    """A CI-sized training run: far above chance (1/16) and a plot written."""
+    png = tmp_path / "recall.png"
+    out = run_example("associative_recall.py", "--steps", "150", "--no-progress", "--plot",
+                      str(png), "--min-accuracy", "0.5")
+    assert "final accuracy" in out
+    assert png.stat().st_size > 10_000, "no plot written"
