@@ -119,9 +119,9 @@ def _smem(C, W, TW, N, acc_size, quant):
     while m2 < 2 * C * W:
         m2 <<= 1
     pre = m2 * 8 + 3 * C * ld * acc_size + (2 * C * W + C) * 4 + C * C
-    fwd = ((2 * C * ld + 3 * C * twp + C) * acc_size + (C * W * 4 if quant else 0)
-           + (3 * C * W + 2 * C) * 4 + 2 * C * C)
-    bwd = ((3 * C * ld + 5 * C * twp + 2 * C + 2 * C * W) * acc_size + (4 * C * W + 4 * C) * 4
+    fwd = ((2 * C * ld + 3 * C * twp + C + 2 * C * W) * acc_size + (C * W * 4 if quant else 0)
+           + (5 * C * W + 2 * C) * 4 + 2 * C * C)
+    bwd = ((3 * C * ld + 5 * C * twp + 2 * C + 4 * C * W) * acc_size + (4 * C * W + 4 * C) * 4
            + 4 * C * C)
     return pre, fwd, bwd
 

@@ -83,9 +83,12 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
   A* da_s = beta_s + C;
   A* dc_s = da_s + C * W;
   A* db_s = dc_s + C * W;
-  int* srt_s = reinterpret_cast<int*>(db_s + C);
-  int* pos_s = srt_s + 2 * C * W;
-  int* cnt = pos_s + 2 * C * W;                                   // 4 lists x C
+  A* aw_s = db_s + C;               // the chunk's weights and ids, staged once (-1: a bad id)
+  A* cw_s = aw_s + C * W;
+  int* srt_s = reinterpret_cast<int*>(cw_s + C * W);
+  int* wid_s = srt_s + 2 * C * W;
+  int* rid_s = wid_s + C * W;
+  int* cnt = rid_s + C * W;                                       // 4 lists x C
   unsigned char* idx = reinterpret_cast<unsigned char*>(cnt + 4 * C);   // 4 lists x C*C
   int *ar_cnt = cnt, *ac_cnt = cnt + C, *hc_cnt = cnt + 2 * C, *gr_cnt = cnt + 3 * C;
   unsigned char *ar_idx = idx, *ac_idx = idx + C * C, *hc_idx = idx + 2 * C * C,
@@ -103,12 +106,18 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
       H_s[r * ld + c] = H_g[chunk * C * C + i];
       G_s[r * ld + c] = G_g[chunk * C * C + i];
     }
-    for (int i = threadIdx.x; i < 2 * Ne; i += blockDim.x) {
-      const int code = srt_g[chunk * 2 * C * W + i];
-      srt_s[i] = code;
-      pos_s[code & B_QMASK] = i;
+    for (int i = threadIdx.x; i < 2 * Ne; i += blockDim.x) srt_s[i] = srt_g[chunk * 2 * C * W + i];
+    for (int i = threadIdx.x; i < Ne; i += blockDim.x) {
+      da_s[i] = A(0);
+      dc_s[i] = A(0);
+      const long long off = (tokb + (long long)(i / W) * P) * W + i % W;
+      const I iw = wi[off], ir = ri[off];
+      const bool okw = valid_id(iw, S), okr = valid_id(ir, S);
+      wid_s[i] = okw ? (int)iw : -1;
+      aw_s[i] = okw ? aw[off] : A(0);
+      rid_s[i] = okr ? (int)ir : -1;
+      cw_s[i] = okr ? cw[off] : A(0);
     }
-    for (int i = threadIdx.x; i < Ne; i += blockDim.x) { da_s[i] = A(0); dc_s[i] = A(0); }
     for (int t = threadIdx.x; t < L; t += blockDim.x) {
       beta_s[t] = beta[tokb + (long long)t * P];
       db_s[t] = A(0);
@@ -119,48 +128,65 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
     build_lists(H_s, ld, L, C, hc_idx, hc_cnt, true);
     build_lists(G_s, ld, L, C, gr_idx, gr_cnt, false);
 
+    // WS threads share a (token, piece) and split its W entries (many loads in flight)
+    const int TP = L * NPC;
+    int WS = 1;
+    while (WS < 32 && WS * 2 <= W && TP * WS * 2 <= (int)blockDim.x) WS *= 2;
+    const int total = TP * WS;
     // A: rewind, X, D, dr, e0
-    for (int task = threadIdx.x; task < L * NPC; task += blockDim.x) {
-      const int t = task / NPC, cc = (task % NPC) * N, nv = min(N, tw - cc);
+    for (int base = 0; base < total; base += blockDim.x) {
+      const int task = base + threadIdx.x, ws = task % WS, tp = task / WS;
+      const bool act = task < total;
+      const int t = tp / NPC, cc = (tp % NPC) * N, nv = min(N, tw - cc);
       const long long tok = tokb + (long long)t * P;
       A x[N], d[N];
 #pragma unroll
       for (int i = 0; i < N; ++i) { x[i] = A(0); d[i] = A(0); }
+      if (act) {
 #pragma unroll 2
-      for (int w = 0; w < W; ++w) {
-        const long long off = tok * W + w;
-        const I id = wi[off];
-        if (!valid_id(id, S)) continue;
-        A m[N], g[N];
-        T raw[N];
-        SnapIO<N, A, T, ST, Q>::load(m, raw, snap + off * hd + c0 + cc,
-                                     Q > 1 ? scale[off] : 0.f, nv, vs);
-        store_raw<N>(bank_b + (long long)id * D + cc, raw, nv, vb);
-        load_piece<N>(g, dM_b + (long long)id * D + cc, nv, vg);
-        const A a = aw[off];
+        for (int w = ws; w < W; w += WS) {
+          const long long off = tok * W + w;
+          const int id = wid_s[t * W + w];
+          if (id < 0) continue;
+          A m[N], g[N];
+          T raw[N];
+          SnapIO<N, A, T, ST, Q>::load(m, raw, snap + off * hd + c0 + cc,
+                                       Q > 1 ? scale[off] : 0.f, nv, vs);
+          store_raw<N>(bank_b + (long long)id * D + cc, raw, nv, vb);
+          load_piece<N>(g, dM_b + (long long)id * D + cc, nv, vg);
+          const A a = aw_s[t * W + w];
 #pragma unroll
-        for (int i = 0; i < N; ++i) { x[i] += a * m[i]; d[i] += a * g[i]; }
+          for (int i = 0; i < N; ++i) { x[i] += a * m[i]; d[i] += a * g[i]; }
+        }
       }
-      A v[N], r[N];
-      const long long vo = ((long long)b * T_ + t0 + t) * D + p * hd + c0 + cc;
-      load_piece<N>(v, vals + vo, nv, vv);
-      load_piece<N>(r, dr + vo, nv, vr);
+      for (int o = 1; o < WS; o <<= 1) {
 #pragma unroll
-      for (int i = 0; i < N; ++i) {
-        E_s[t * TWP + cc + i] = v[i] - x[i];
-        D_s[t * TWP + cc + i] = d[i];
-        R_s[t * TWP + cc + i] = r[i];
+        for (int i = 0; i < N; ++i) {
+          x[i] += __shfl_xor_sync(0xffffffffu, x[i], o);
+          d[i] += __shfl_xor_sync(0xffffffffu, d[i], o);
+        }
+      }
+      if (act && ws == 0) {
+        A v[N], r[N];
+        const long long vo = ((long long)b * T_ + t0 + t) * D + p * hd + c0 + cc;
+        load_piece<N>(v, vals + vo, nv, vv);
+        load_piece<N>(r, dr + vo, nv, vr);
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+          E_s[t * TWP + cc + i] = v[i] - x[i];
+          D_s[t * TWP + cc + i] = d[i];
+          R_s[t * TWP + cc + i] = r[i];
+        }
       }
     }
     __syncthreads();
-    // B: read rows of the rewound bank; u = Ainv diag(beta) e0
-    for (int task = threadIdx.x; task < L * NPC; task += blockDim.x) {
-      const int t = task / NPC, cc = (task % NPC) * N, nv = min(N, tw - cc);
-      const long long tok = tokb + (long long)t * P;
-      for (int w = 0; w < W; ++w) {
-        const long long off = tok * W + w;
-        const I id = ri[off];
-        if (!valid_id(id, S)) continue;
+    // B: read rows of the rewound bank (dc); u = Ainv diag(beta) e0
+    for (int task = threadIdx.x; task < total; task += blockDim.x) {
+      const int ws = task % WS, tp = task / WS;
+      const int t = tp / NPC, cc = (tp % NPC) * N, nv = min(N, tw - cc);
+      for (int w = ws; w < W; w += WS) {
+        const int id = rid_s[t * W + w];
+        if (id < 0) continue;
         A m[N];
         load_piece<N>(m, bank_b + (long long)id * D + cc, nv, vb);
         A s = A(0);
@@ -168,6 +194,9 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
         for (int i = 0; i < N; ++i) s += m[i] * R_s[t * TWP + cc + i];
         atomic_add(dc_s + t * W + w, s);
       }
+    }
+    for (int task = threadIdx.x; task < L * NPC; task += blockDim.x) {
+      const int t = task / NPC, cc = (task % NPC) * N;
       A u[N];
 #pragma unroll
       for (int i = 0; i < N; ++i) u[i] = A(0);
@@ -215,26 +244,32 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
     }
     __syncthreads();
     // dv, dbeta; C: da from dM and M0 rows
-    for (int task = threadIdx.x; task < L * NPC; task += blockDim.x) {
-      const int t = task / NPC, cc = (task % NPC) * N, nv = min(N, tw - cc);
+    for (int task = threadIdx.x; task < total; task += blockDim.x) {
+      const int ws = task % WS, tp = task / WS;
+      const int t = tp / NPC, cc = (tp % NPC) * N, nv = min(N, tw - cc);
       const long long tok = tokb + (long long)t * P;
       const A bt = beta_s[t];
-      A dv[N], zu[N], dx[N];
-      A sb = A(0);
+      A zu[N], dx[N];
 #pragma unroll
       for (int i = 0; i < N; ++i) {
-        const A z = Z_s[t * TWP + cc + i];
-        dv[i] = bt * z;
-        dx[i] = -bt * z;
+        dx[i] = -bt * Z_s[t * TWP + cc + i];
         zu[i] = U_s[t * TWP + cc + i];
-        sb += z * E_s[t * TWP + cc + i];
       }
-      store_piece<N>(d_vals + ((long long)b * T_ + t0 + t) * D + p * hd + c0 + cc, dv, nv, vr);
-      atomic_add(db_s + t, sb);
-      for (int w = 0; w < W; ++w) {
+      if (ws == 0) {
+        A dv[N];
+        A sb = A(0);
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+          dv[i] = -dx[i];
+          sb += Z_s[t * TWP + cc + i] * E_s[t * TWP + cc + i];
+        }
+        store_piece<N>(d_vals + ((long long)b * T_ + t0 + t) * D + p * hd + c0 + cc, dv, nv, vr);
+        atomic_add(db_s + t, sb);
+      }
+      for (int w = ws; w < W; w += WS) {
         const long long off = tok * W + w;
-        const I id = wi[off];
-        if (!valid_id(id, S)) continue;
+        const int id = wid_s[t * W + w];
+        if (id < 0) continue;
         A m[N], g[N];
         T raw[N];
         SnapIO<N, A, T, ST, Q>::load(m, raw, snap + off * hd + c0 + cc,
@@ -264,7 +299,7 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
         const int q2 = c2 & B_QMASK;
         if (q2 < Ne) {                                   // a write entry (tau, w')
           const int tau = q2 / W;
-          const A a2 = aw[(tokb + (long long)tau * P) * W + q2 % W];
+          const A a2 = aw_s[q2];
           if (isw) {
             if (tau == t) continue;
             const int hi = tau > t ? tau : t, lo = tau > t ? t : tau;
@@ -275,7 +310,7 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
         } else if (isw) {                                // a read entry (s, w'') of a write
           const int s = (q2 - Ne) / W;
           if (s < t) continue;
-          const A c2w = cw[(tokb + (long long)s * P) * W + (q2 - Ne) % W];
+          const A c2w = cw_s[q2 - Ne];
           acc += c2w * dot_rows(R_s + s * TWP, U_s + t * TWP, NPC * N);
         }
       }
@@ -285,17 +320,16 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
     // per-tile partial sums -> global; dM scatter (after every read of dM in this chunk)
     for (int i = threadIdx.x; i < Ne; i += blockDim.x) {
       const long long off = (tokb + (long long)(i / W) * P) * W + i % W;
-      if (valid_id(wi[off], S)) atomic_add(d_aw + off, da_s[i]);
-      if (valid_id(ri[off], S)) atomic_add(d_cw + off, dc_s[i]);
+      if (wid_s[i] >= 0) atomic_add(d_aw + off, da_s[i]);
+      if (rid_s[i] >= 0) atomic_add(d_cw + off, dc_s[i]);
     }
     for (int t = threadIdx.x; t < L; t += blockDim.x) atomic_add(d_beta + tokb + (long long)t * P, db_s[t]);
     for (int task = threadIdx.x; task < 2 * Ne * NPC; task += blockDim.x) {
       const int ps = task / NPC, cc = (task % NPC) * N, nv = min(N, tw - cc);
       const int code = srt_s[ps];
       if (!(code & B_RUN_HEAD) || (code & B_RUN_BAD)) continue;
-      const int q = code & B_QMASK, e = q < Ne ? q : q - Ne;
-      const long long off = (tokb + (long long)(e / W) * P) * W + e % W;
-      Gt* row = dM_b + (long long)(q < Ne ? wi[off] : ri[off]) * D + cc;
+      const int q = code & B_QMASK;
+      Gt* row = dM_b + (long long)(q < Ne ? wid_s[q] : rid_s[q - Ne]) * D + cc;
       A g[N];
       load_piece<N>(g, row, nv, vg);
       for (int p2 = ps; p2 < 2 * Ne; ++p2) {
@@ -304,12 +338,12 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
         const int q2 = c2 & B_QMASK;
         if (q2 < Ne) {
           const int t2 = q2 / W;
-          const A f = -aw[(tokb + (long long)t2 * P) * W + q2 % W] * beta_s[t2];
+          const A f = -aw_s[q2] * beta_s[t2];
 #pragma unroll
           for (int i = 0; i < N; ++i) g[i] += f * Z_s[t2 * TWP + cc + i];
         } else {
           const int t2 = (q2 - Ne) / W;
-          const A f = cw[(tokb + (long long)t2 * P) * W + (q2 - Ne) % W];
+          const A f = cw_s[q2 - Ne];
 #pragma unroll
           for (int i = 0; i < N; ++i) g[i] += f * R_s[t2 * TWP + cc + i];
         }

@@ -39,10 +39,14 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
   A* Y_s = X_s + C * TWP;
   A* U_s = Y_s + C * TWP;
   A* beta_s = U_s + C * TWP;
-  float* amax_s = reinterpret_cast<float*>(beta_s + C);     // C*W (quantized modes)
+  A* aw_s = beta_s + C;             // the chunk's weights and ids, staged once (-1: a bad id)
+  A* cw_s = aw_s + C * W;
+  float* amax_s = reinterpret_cast<float*>(cw_s + C * W);     // C*W (quantized modes)
   int* srt_s = reinterpret_cast<int*>(amax_s + (Q > 1 ? C * W : 0));
   int* pos_s = srt_s + 2 * C * W;
-  int* a_cnt = pos_s + C * W;
+  int* wid_s = pos_s + C * W;
+  int* rid_s = wid_s + C * W;
+  int* a_cnt = rid_s + C * W;
   int* h_cnt = a_cnt + C;
   unsigned char* a_idx = reinterpret_cast<unsigned char*>(h_cnt + C);
   unsigned char* h_idx = a_idx + C * C;
@@ -64,62 +68,90 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
       if (q < Ne) pos_s[q] = i;
     }
     for (int t = threadIdx.x; t < L; t += blockDim.x) beta_s[t] = beta[tokb + (long long)t * P];
+    for (int i = threadIdx.x; i < Ne; i += blockDim.x) {
+      const long long off = (tokb + (long long)(i / W) * P) * W + i % W;
+      const I iw = wi[off], ir = ri[off];
+      const bool okw = valid_id(iw, S), okr = valid_id(ir, S);
+      wid_s[i] = okw ? (int)iw : -1;
+      aw_s[i] = okw ? aw[off] : A(0);
+      rid_s[i] = okr ? (int)ir : -1;
+      cw_s[i] = okr ? cw[off] : A(0);
+    }
     if (Q > 1)
       for (int i = threadIdx.x; i < Ne; i += blockDim.x) amax_s[i] = 0.f;
     __syncthreads();
     build_lists(Ai_s, ld, L, C, a_idx, a_cnt, false);
     build_lists(H_s, ld, L, C, h_idx, h_cnt, false);
 
-    // gather (every write row once: X and the snapshot; every read row once: Y)
-    for (int task = threadIdx.x; task < L * NPC; task += blockDim.x) {
-      const int t = task / NPC, cc = (task % NPC) * N, nv = min(N, tw - cc);
-      const long long tok = tokb + (long long)t * P;
-      A x[N], y[N];
+    // gather (every write row once: X and the snapshot; every read row once: Y). WS threads
+    // share a (token, piece) and split its W entries, so that a block keeps many independent
+    // 16-byte loads in flight; their partial sums meet through warp shuffles.
+    {
+      const int TP = L * NPC;
+      int WS = 1;
+      while (WS < 32 && WS * 2 <= W && TP * WS * 2 <= (int)blockDim.x) WS *= 2;
+      const int total = TP * WS;
+      for (int base = 0; base < total; base += blockDim.x) {
+        const int task = base + threadIdx.x, ws = task % WS, tp = task / WS;
+        const bool act = task < total;
+        const int t = tp / NPC, cc = (tp % NPC) * N, nv = min(N, tw - cc);
+        const long long tok = tokb + (long long)t * P;
+        A x[N], y[N];
 #pragma unroll
-      for (int i = 0; i < N; ++i) { x[i] = A(0); y[i] = A(0); }
+        for (int i = 0; i < N; ++i) { x[i] = A(0); y[i] = A(0); }
+        if (act) {
 #pragma unroll 4
-      for (int w = 0; w < W; ++w) {
-        const long long off = tok * W + w;
-        const I id = wi[off];
-        T m[N];
-        const bool ok = valid_id(id, S);
-        if (ok) load_raw<N>(m, bank_b + (long long)id * D + cc, nv, vb);
-        else {
+          for (int w = ws; w < W; w += WS) {
+            const long long off = tok * W + w;
+            const int id = wid_s[t * W + w];
+            T m[N];
+            if (id >= 0) load_raw<N>(m, bank_b + (long long)id * D + cc, nv, vb);
+            else {
 #pragma unroll
-          for (int i = 0; i < N; ++i) m[i] = From<T>::cvt(0.0f);
-        }
-        const A a = ok ? aw[off] : A(0);
+              for (int i = 0; i < N; ++i) m[i] = From<T>::cvt(0.0f);
+            }
+            const A a = aw_s[t * W + w];
 #pragma unroll
-        for (int i = 0; i < N; ++i) x[i] += a * to_acc(m[i], A());
-        if (save) {
-          if constexpr (Q == 0) {
-            store_raw<N>(snap + off * hd + c0 + cc, m, nv, vs);
-          } else if constexpr (Q == 1) {
-            A mv[N];
+            for (int i = 0; i < N; ++i) x[i] += a * to_acc(m[i], A());
+            if (save) {
+              if constexpr (Q == 0) {
+                store_raw<N>(snap + off * hd + c0 + cc, m, nv, vs);
+              } else if constexpr (Q == 1) {
+                A mv[N];
 #pragma unroll
-            for (int i = 0; i < N; ++i) mv[i] = to_acc(m[i], A());
-            store_piece<N>(snap + off * hd + c0 + cc, mv, nv, vs);
-          } else {
-            float mx = 0.f;
+                for (int i = 0; i < N; ++i) mv[i] = to_acc(m[i], A());
+                store_piece<N>(snap + off * hd + c0 + cc, mv, nv, vs);
+              } else {
+                float mx = 0.f;
 #pragma unroll
-            for (int i = 0; i < N; ++i) mx = fmaxf(mx, fabsf((float)to_acc(m[i], A())));
-            if (ok) atomicMax(reinterpret_cast<int*>(amax_s + t * W + w), __float_as_int(mx));
+                for (int i = 0; i < N; ++i) mx = fmaxf(mx, fabsf((float)to_acc(m[i], A())));
+                if (id >= 0) atomicMax(reinterpret_cast<int*>(amax_s + t * W + w), __float_as_int(mx));
+              }
+            }
+          }
+#pragma unroll 4
+          for (int w = ws; w < W; w += WS) {
+            const int id = rid_s[t * W + w];
+            if (id < 0) continue;
+            A m[N];
+            load_piece<N>(m, bank_b + (long long)id * D + cc, nv, vb);
+            const A c = cw_s[t * W + w];
+#pragma unroll
+            for (int i = 0; i < N; ++i) y[i] += c * m[i];
           }
         }
-      }
-#pragma unroll 4
-      for (int w = 0; w < W; ++w) {
-        const long long off = tok * W + w;
-        const I id = ri[off];
-        if (!valid_id(id, S)) continue;
-        A m[N];
-        load_piece<N>(m, bank_b + (long long)id * D + cc, nv, vb);
-        const A c = cw[off];
+        for (int o = 1; o < WS; o <<= 1) {
 #pragma unroll
-        for (int i = 0; i < N; ++i) y[i] += c * m[i];
-      }
+          for (int i = 0; i < N; ++i) {
+            x[i] += __shfl_xor_sync(0xffffffffu, x[i], o);
+            y[i] += __shfl_xor_sync(0xffffffffu, y[i], o);
+          }
+        }
+        if (act && ws == 0) {
 #pragma unroll
-      for (int i = 0; i < N; ++i) { X_s[t * TWP + cc + i] = x[i]; Y_s[t * TWP + cc + i] = y[i]; }
+          for (int i = 0; i < N; ++i) { X_s[t * TWP + cc + i] = x[i]; Y_s[t * TWP + cc + i] = y[i]; }
+        }
+      }
     }
     __syncthreads();
 
@@ -129,11 +161,11 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
         const long long tok = tokb + (long long)t * P;
         for (int w = 0; w < W; ++w) {
           const long long off = tok * W + w;
-          const I id = wi[off];
+          const int id = wid_s[t * W + w];
           const float mx = amax_s[t * W + w];
           const float inv = mx > 0.f ? QMax<Q>::v / mx : 0.f;
           A m[N];
-          if (valid_id(id, S)) load_piece<N>(m, bank_b + (long long)id * D + cc, nv, vb);
+          if (id >= 0) load_piece<N>(m, bank_b + (long long)id * D + cc, nv, vb);
           else {
 #pragma unroll
             for (int i = 0; i < N; ++i) m[i] = A(0);
@@ -192,8 +224,7 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
       const int e = task / NPC, cc = (task % NPC) * N, nv = min(N, tw - cc);
       const int ps = pos_s[e], code = srt_s[ps];
       if (!(code & F_RUN_HEAD) || (code & F_RUN_BAD)) continue;
-      const long long off = (tokb + (long long)(e / W) * P) * W + e % W;
-      T* row = bank_b + (long long)wi[off] * D + cc;
+      T* row = bank_b + (long long)wid_s[e] * D + cc;
       A m[N];
       load_piece<N>(m, row, nv, vb);
       for (int p2 = ps; p2 < 2 * Ne; ++p2) {
@@ -202,7 +233,7 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
         const int q2 = code2 & F_QMASK;
         if (q2 >= Ne) break;                      // the slot's reads follow its writes
         const int t2 = q2 / W;
-        const A a2 = aw[(tokb + (long long)t2 * P) * W + q2 % W];
+        const A a2 = aw_s[q2];
 #pragma unroll
         for (int i = 0; i < N; ++i) m[i] += a2 * U_s[t2 * TWP + cc + i];
       }
