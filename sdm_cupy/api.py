@@ -84,6 +84,22 @@ class SavedState:
         snapshots, self.snapshots = self.snapshots, None
         return snapshots
 
+    def rearmed(self) -> "SavedState":
+        """A new, unconsumed SavedState over the same arrays (final bank, inputs, snapshots).
+
+        For a caller that restores those arrays' contents before each backward itself: the
+        CUDA-graph runner replays a captured forward into them and runs every backward on a
+        fresh ``rearmed()`` copy of one template that is never consumed. ``backward`` rewinds
+        the bank, so a rearmed state is valid only until a backward on any of them ran.
+
+        Raises:
+            RuntimeError: this state was consumed already (its snapshots are gone).
+        """
+        if self._consumed:
+            self._take()  # raises
+        return SavedState(self.backend, self.layout, self.config, self.bank, self.inputs,
+                          self.snapshots, self.input_dtypes)
+
     @property
     def nbytes(self) -> int:
         """Device or host bytes held by the snapshots."""
