@@ -1,0 +1,132 @@
+"""Memory pools, stream ordering, regions and the process-wide registries of the runner.
+
+One ``Pool`` per (capture backend, device, stream a runner first ran on): its forward graphs
+share one memory pool and are captured in call order (``Pool.forward``); its ``lock``
+serialises every thread's replays on those graphs; ``ordered()`` joins a replay on another
+stream to the pool's stream with events, so that graphs sharing the pool never overlap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import weakref
+
+__all__ = ["Pool", "pool_for", "ordered", "region", "next_token"]
+
+_tokens = itertools.count(1)
+_tokens_lock = threading.Lock()
+
+
+def next_token() -> int:
+    with _tokens_lock:
+        return next(_tokens)
+
+
+class Pool:
+    """The graphs of one (backend, device, stream). ``mempool`` is shared by forward captures
+    until the first backward capture (``has_backward``); later forward captures take a private
+    one. ``stream`` is the stream the pool was made for; captures record on ``capture_stream``
+    (CuPy refuses to capture the legacy stream)."""
+
+    def __init__(self, capture, device, stream):
+        self.capture, self.device, self.stream = capture, device, stream
+        self.mempool = capture.new_mempool()
+        self.capture_stream = capture.new_stream()
+        self.forward = []          # weak references to shared forward entries, capture order
+        self.has_backward = False
+        self.lock = threading.RLock()
+
+    def invalidate_after(self, entry) -> None:
+        """A replay of ``entry`` may rewrite the blocks of entries captured after it in the
+        shared pool: their state is no longer theirs."""
+        if entry.index is None:
+            return
+        for ref in self.forward[entry.index + 1:]:
+            later = ref()
+            if later is not None:
+                later.token = None
+
+
+_pools: dict = {}
+_pools_lock = threading.Lock()
+
+
+def pool_for(capture, device, stream) -> Pool:
+    key = (capture.name, id(capture), device, capture.stream_key(stream))
+    with _pools_lock:
+        pool = _pools.get(key)
+        if pool is None:
+            pool = _pools[key] = Pool(capture, device, stream)
+    return pool
+
+
+def forget(pool) -> None:
+    with _pools_lock:
+        for key, p in list(_pools.items()):
+            if p is pool:
+                del _pools[key]
+
+
+def clear_pools() -> None:
+    with _pools_lock:
+        _pools.clear()
+
+
+@contextlib.contextmanager
+def ordered(pool):
+    """Runs the block alone among the threads' blocks on ``pool``; when the current stream is
+    not the pool's, the block's work runs after the work queued on the pool's stream and
+    before the work queued there next. Yields the current stream."""
+    cap = pool.capture
+    with pool.lock:
+        current = cap.current_stream()
+        if cap.stream_key(current) == cap.stream_key(pool.stream):
+            yield current
+            return
+        cap.wait(current, pool.stream)
+        try:
+            yield current
+        finally:
+            cap.wait(pool.stream, current)
+
+
+# ---- entries shared across regions ----------------------------------------------------------
+# (pool, key, slot) -> entry, held weakly: by the runners and the pending backwards using it.
+shared = weakref.WeakValueDictionary()
+shared_lock = threading.Lock()
+
+
+class _Region:
+    def __init__(self):
+        self.used = weakref.WeakSet()   # entries the region's calls took
+
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def region():
+    """Runners of one key inside one region take distinct shared entries ("slots"); runners in
+    different regions share them. Use one region per repeated block of layers (e.g. per
+    checkpointed layer): L identical layers then hold the memory of one entry, and each
+    backward whose entry a later layer overwrote replays its forward first."""
+    stack = getattr(_local, "regions", None)
+    if stack is None:
+        stack = _local.regions = []
+    r = _Region()
+    stack.append(r)
+    try:
+        yield r
+    finally:
+        stack.pop()
+
+
+def current_region():
+    stack = getattr(_local, "regions", None)
+    return stack[-1] if stack else None
+
+
+def clear_regions() -> None:
+    _local.__dict__.clear()

@@ -1,0 +1,551 @@
+"""``GraphRunner``: the SDM op of one layer replayed from captured graphs (SPEC §8).
+
+Lifetime rules (who may call what, what stays valid until when):
+
+* A runner keeps at most two entries: one for training calls (``needs_backward=True``), one
+  for forward-only calls (decoding). Each is captured at the first call of its kind, under that
+  call's key; a later call with another key runs eager, and so does every call of a runner
+  whose capture failed, until ``reset_graphs()``. Graphs are never re-captured on their own.
+* Training graph: bank = ``sdm.expand_memory_batch(param, batch)`` (zeros when ``param`` is
+  None), then ``sdm.forward(bank, ..., inplace=True, check_indices=False)``. Its backward graph
+  (captured at the first backward) is ``sdm.backward`` on a fresh ``SavedState`` over the
+  static state, then ``sdm.sum_memory_batch``. Forward-only graph: ``sdm.forward`` in place on a
+  static bank that the runner loads before the launch (nothing to load when ``param`` is the
+  ``ReplayedState`` the runner returned last: decoding continues in place).
+* Every output is a fresh array (readings, final bank, gradients): graph memory is never
+  handed out, since the next replay rewrites it. The state object of a call with ``seq_len``
+  copies the bank lazily and raises once the bank was overwritten.
+* Calls never range-check indices (capture forbids the host sync): kernels skip an id outside
+  [0, S) and ``sdm.check_device_errors()`` reports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import weakref
+from collections import Counter
+
+import numpy as np
+
+import sdm_cupy as sdm
+from sdm_cupy import _validate as V
+
+from . import pools
+from .capture import cupy_capture
+from .entry import BackwardHandle, Entry, ReplayedState, RunnerGradients
+from .pools import next_token, ordered
+
+__all__ = ["GraphRunner", "reset_graphs", "suspend_graphs", "graphs_suspended"]
+
+logger = logging.getLogger("sdm_cupy.graphs")
+
+_runners: "weakref.WeakSet[GraphRunner]" = weakref.WeakSet()
+_suspended = 0
+_suspend_lock = threading.Lock()
+# One capture at a time in the process, whatever the pool (the warm-up and the capture of an
+# entry form one step; other threads keep replaying their own pools meanwhile).
+_capture_lock = threading.Lock()
+
+INPUT_NAMES = V.INPUT_NAMES
+
+
+def reset_graphs() -> None:
+    """Drops every captured graph: the next call of each runner captures again (also in a
+    runner whose capture failed). Pending backwards keep their entries alive until they run."""
+    for runner in list(_runners):
+        runner._entries.clear()
+        runner.capture_failed = False
+    pools.clear_pools()
+    with pools.shared_lock:
+        pools.shared.clear()
+    pools.clear_regions()
+
+
+@contextlib.contextmanager
+def suspend_graphs():
+    """Every runner call inside the block runs eager (e.g. a probe at another shape). The
+    backward of such a call may run outside the block."""
+    global _suspended
+    with _suspend_lock:
+        _suspended += 1
+    try:
+        yield
+    finally:
+        with _suspend_lock:
+            _suspended -= 1
+
+
+def graphs_suspended() -> bool:
+    return _suspended > 0
+
+
+def _failure(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+
+
+class GraphRunner:
+    """Replays the SDM op of one layer from captured graphs.
+
+    Args:
+        name: used in warnings.
+        capture: the capture backend; None picks CUDA graphs for CuPy arrays (NumPy arrays then
+            run eager). ``graphs.HostCapture()`` is the host stand-in the CPU tests use.
+
+    Attributes:
+        stats: a Counter of ``forward_capture``, ``forward_replay``, ``backward_capture``,
+            ``backward_replay``, ``stale_replay`` (a backward that replayed its forward first),
+            ``forward_shared`` (an entry taken from another runner in a region) and the eager
+            reasons ``eager_shape``, ``eager_capture_failed``, ``eager_suspended``,
+            ``eager_nested_capture``, ``eager_host``, ``eager_released``, ``eager_backward``.
+            Each reason logs one warning per runner.
+
+    Example:
+        >>> runner = GraphRunner("layer0")
+        >>> r, bank, h = runner.forward(param, wi, ww, v, beta, ri, rw, cfg, batch=B)
+        >>> g = runner.backward(h, dr)      # g.param, g.write_w, g.values, g.beta, g.read_w
+    """
+
+    def __init__(self, name: str = "SDM", capture=None):
+        self.name = name
+        self.capture = capture
+        self.capture_failed = False
+        self.stats = Counter()
+        self._entries = {}          # needs_backward -> Entry
+        self._warned = set()
+        self._warn_lock = threading.Lock()
+        self._acquire_lock = threading.Lock()
+        _runners.add(self)
+
+    def __deepcopy__(self, memo):
+        # Graphs cannot be copied: the copy captures its own.
+        return GraphRunner(self.name, self.capture)
+
+    def __reduce__(self):
+        return GraphRunner, (self.name, self.capture)
+
+    def __repr__(self):
+        return f"GraphRunner({self.name!r}, entries={sorted(self._entries)})"
+
+    def note(self, reason: str, message: str) -> None:
+        """Counts ``reason``; logs ``message`` the first time ``reason`` occurs here."""
+        self.stats[reason] += 1
+        with self._warn_lock:
+            first = reason not in self._warned
+            self._warned.add(reason)
+        if first:
+            logger.warning("%s: %s", self.name, message)
+
+    def static_inputs(self, needs_backward: bool = False):
+        """The static input arrays of the captured entry of this kind (a dict by input name,
+        with ``param`` for a training entry that has one), or None before the capture. Fill
+        them in place on the stream of the next call and pass these very arrays to
+        ``forward``: its copies are skipped. A replay reads them; a training call whose
+        inputs are these arrays keeps copies of them for a possible stale backward."""
+        e = self._entries.get(bool(needs_backward))
+        if e is None or e.released:
+            return None
+        out = dict(zip(INPUT_NAMES, e.static_in))
+        if e.static_param is not None:
+            out["param"] = e.static_param
+        return out
+
+    # ---- forward ----------------------------------------------------------------------------
+    def forward(self, param, write_idx, write_w, values, beta, read_idx, read_w, config, *,
+                batch, dtype=None, seq_len=None, needs_backward=True):
+        """Readings and final state of the op on the bank ``batch`` copies of ``param``.
+
+        Args:
+            param: [S, D] learned initial bank (copied ``batch`` times), None (zeros), or, for
+                forward-only calls, an ``sdm.LayerState`` whose memory [batch*S, D] is the
+                initial bank (decoding). The ``ReplayedState`` this runner returned last
+                continues in place without a copy.
+            write_idx, write_w, values, beta, read_idx, read_w: as ``sdm.forward``.
+            config: ``sdm.SDMConfig``.
+            batch: B. dtype: the bank dtype (default: param's, else values').
+            seq_len: when given, the second output is a state object with this ``seq_len``
+                (``ReplayedState`` for a replayed call, ``sdm.LayerState`` for an eager one).
+            needs_backward: False for forward-only calls: no snapshots, no handle.
+
+        Returns:
+            (readings [B, T, D], state, handle): fresh readings; the final bank [B*S, D] as a
+            fresh array (or the state object, with ``seq_len``); a ``BackwardHandle`` for
+            ``backward`` (None when ``needs_backward`` is False).
+
+        Raises:
+            What ``sdm.forward`` raises for bad inputs or refused settings (never a capture
+            failure); TypeError for a LayerState ``param`` in a training call.
+        """
+        needs_backward = bool(needs_backward)
+        inputs = (write_idx, write_w, values, beta, read_idx, read_w)
+        if isinstance(param, sdm.LayerState) and needs_backward:
+            raise TypeError("param must be an [S, D] array or None when needs_backward=True; "
+                            "a LayerState is accepted by forward-only calls")
+        batch = int(batch)
+        if dtype is not None:
+            bank_dtype = np.dtype(dtype)
+        elif isinstance(param, ReplayedState):
+            bank_dtype = np.dtype(param.dtype)
+        elif isinstance(param, sdm.LayerState):
+            bank_dtype = np.dtype(param.memory.dtype)
+        elif param is not None:
+            bank_dtype = np.dtype(param.dtype)
+        else:
+            bank_dtype = np.dtype(values.dtype)
+        call = (param, inputs, config, batch, bank_dtype, seq_len, needs_backward)
+        cap = self._capture_for(values)
+        if cap is None:
+            self.note("eager_host", "NumPy arrays without a capture stand-in run eager (CUDA "
+                      "graphs need CuPy arrays).")
+            return self._eager(*call)
+        if graphs_suspended():
+            self.stats["eager_suspended"] += 1
+            return self._eager(*call)
+        if cap.is_capturing():
+            self.note("eager_nested_capture", "the current stream is already capturing a "
+                      "graph; the call runs eager (and is recorded into that graph).")
+            return self._eager(*call)
+        if self.capture_failed:
+            self.stats["eager_capture_failed"] += 1
+            return self._eager(*call)
+        key = self._key(cap, *call)
+        e = self._entries.get(needs_backward)
+        if e is None:
+            with self._acquire_lock:   # threads sharing a runner capture once
+                e = self._entries.get(needs_backward)
+                if e is None and not self.capture_failed:
+                    e = self._acquire(cap, key, *call)
+                    if e is not None:
+                        self._entries[needs_backward] = e
+            if e is None:   # (counted and logged by the failure)
+                return self._eager(*call)
+        if e.key != key:
+            self.note("eager_shape", "a call that differs from the captured one (shapes, "
+                      "dtypes, devices, config or the kernels' process-wide settings) runs "
+                      "eager. After a permanent change call sdm_cupy.graphs.reset_graphs() "
+                      "between steps to capture the new call.")
+            return self._eager(*call)
+        elif e.slot is not None:
+            r = pools.current_region()
+            if r is not None:
+                r.used.add(e)
+        with ordered(e.pool) as stream:
+            if not e.released:   # (another thread's out-of-memory backward releases it)
+                return self._replay(e, stream, *call)
+        self.stats["eager_released"] += 1
+        return self._eager(*call)
+
+    def _capture_for(self, values):
+        if self.capture is not None:
+            return self.capture
+        if V.is_cupy_array(values):
+            return cupy_capture()
+        return None
+
+    def _key(self, cap, param, inputs, config, batch, bank_dtype, seq_len, needs_backward):
+        device = cap.device(inputs[2])
+        if needs_backward:
+            p = None if param is None else (tuple(param.shape), np.dtype(param.dtype),
+                                            cap.device(param))
+        else:
+            p = None   # the forward-only graph starts from its static bank, loaded outside
+        arrays = tuple((tuple(x.shape), np.dtype(x.dtype), cap.device(x)) for x in inputs)
+        return (needs_backward, device, p, batch, bank_dtype, arrays, config, cap.settings())
+
+    # ---- capture ----------------------------------------------------------------------------
+    def _acquire(self, cap, key, *call):
+        """The entry at the first graphed call of this kind: in a region, the shared entry of
+        the first slot of ``key`` that no other call of the region uses; else its own. None
+        when the capture failed."""
+        pool = pools.pool_for(cap, key[1], cap.current_stream())
+        r = pools.current_region()
+        with pool.lock:
+            if r is None:
+                return self._capture_forward(cap, pool, key, *call)
+            slot = 0
+            with pools.shared_lock:
+                while (e := pools.shared.get((pool, key, slot))) is not None and e in r.used:
+                    slot += 1
+            if e is None:   # the pool's lock keeps the slot free during the capture
+                e = self._capture_forward(cap, pool, key, *call)
+                if e is None:
+                    return None
+                e.slot = slot
+                with pools.shared_lock:
+                    pools.shared[(pool, key, slot)] = e
+            else:
+                e.runners.add(self)
+                self.stats["forward_shared"] += 1
+            r.used.add(e)
+            return e
+
+    def _capture_failed(self, exc) -> None:
+        self.capture_failed = True
+        self.note("eager_capture_failed", f"capturing the op failed ({_failure(exc)}); this "
+                  "runner runs eager until sdm_cupy.graphs.reset_graphs().")
+
+    def _capture_forward(self, cap, pool, key, param, inputs, config, batch, bank_dtype,
+                         seq_len, needs_backward):
+        xp = V.array_module(inputs[2])
+        S, D = config.num_memory_slots, int(inputs[2].shape[-1])
+        shared = not pool.has_backward
+        mempool = pool.mempool if shared else cap.new_mempool()
+        e = Entry(self, key, pool, mempool, needs_backward, config, batch)
+        current = cap.current_stream()
+        with _capture_lock:
+            try:
+                # Static copies (the caller's allocator), then the op once eagerly on them from
+                # the graph's pool: kernels get compiled and loaded outside the capture. Out of
+                # memory here falls back to eager; any other error is the call's own.
+                e.static_in = tuple(xp.array(x, order="C", copy=True) for x in inputs)
+                if needs_backward and param is not None:
+                    e.static_param = xp.array(param, dtype=bank_dtype, order="C", copy=True)
+                if not needs_backward:
+                    e.static_bank = xp.zeros((batch * S, D), dtype=bank_dtype)
+
+                def body():
+                    if not needs_backward:
+                        bank = e.static_bank
+                    elif e.static_param is None:
+                        bank = xp.zeros((batch * S, D), dtype=bank_dtype)
+                    else:
+                        bank = sdm.expand_memory_batch(e.static_param, batch)
+                    return sdm.forward(bank, *e.static_in, config, needs_backward=needs_backward,
+                                       inplace=True, check_indices=False)
+
+                cap.wait(pool.capture_stream, current)
+                with cap.run_on(pool.capture_stream, mempool):
+                    body()
+            except Exception as exc:
+                if not cap.is_oom(exc):
+                    raise
+                self._capture_failed(exc)
+                return None
+            try:
+                e.forward, e.result = cap.capture(body, mempool, pool.capture_stream, e.held)
+            except sdm.UnsupportedConfigurationError:
+                raise   # a refusal is the call's own error, never a capture failure
+            except Exception as exc:   # any failure of the capture itself: eager from now on
+                self._capture_failed(exc)
+                return None
+            finally:
+                cap.wait(current, pool.capture_stream)
+        if needs_backward:
+            e.grad_in = xp.zeros(inputs[2].shape, dtype=inputs[2].dtype)
+        if shared:
+            e.index = len(pool.forward)
+            pool.forward.append(weakref.ref(e))
+        self.stats["forward_capture"] += 1
+        return e
+
+    # ---- replay -----------------------------------------------------------------------------
+    def _load_bank(self, e, param, batch):
+        """Initial bank of a forward-only replay into the static bank (outside the graph)."""
+        bank = e.static_bank
+        if isinstance(param, ReplayedState) and param.continues(e):
+            return   # the static bank holds this state already
+        if param is None:
+            bank.fill(0)
+        elif isinstance(param, sdm.LayerState):
+            bank[...] = param.memory
+        else:
+            bank.reshape(batch, param.shape[0], param.shape[1])[...] = param
+
+    def _launch_forward(self, e, stream, param, inputs):
+        cap = e.pool.capture
+        if e.needs_backward:
+            if e.static_param is not None and param is not e.static_param:
+                e.static_param[...] = param
+        else:
+            self._load_bank(e, param, e.batch)
+        for static, x in zip(e.static_in, inputs):
+            if x is not static:
+                static[...] = x
+        cap.launch(e.forward, stream)
+        e.token = next_token()
+        e.pool.invalidate_after(e)
+        return e.token
+
+    def _replay(self, e, stream, param, inputs, config, batch, bank_dtype, seq_len,
+                needs_backward):
+        token = self._launch_forward(e, stream, param, inputs)
+        readings = e.readings.copy()
+        self.stats["forward_replay"] += 1
+        handle = None
+        if needs_backward:
+            # The handle keeps the call's own arrays, but copies of static ones the caller
+            # filled in place: the next call overwrites those.
+            statics = [s for s in (e.static_param, *e.static_in) if s is not None]
+
+            def keep(x):
+                return x.copy() if x is not None and any(x is s for s in statics) else x
+
+            handle = BackwardHandle(e, token, keep(param), tuple(keep(x) for x in inputs),
+                                    config, batch, bank_dtype)
+        state = e.bank.copy() if seq_len is None else ReplayedState(e, token, seq_len)
+        return readings, state, handle
+
+    # ---- eager ------------------------------------------------------------------------------
+    @staticmethod
+    def _initial_bank(param, values, config, batch, bank_dtype):
+        xp = V.array_module(values)
+        S, D = config.num_memory_slots, int(values.shape[-1])
+        if param is None:
+            return xp.zeros((batch * S, D), dtype=bank_dtype)
+        if isinstance(param, sdm.LayerState):
+            return xp.array(param.memory, dtype=bank_dtype, order="C", copy=True)
+        bank = sdm.expand_memory_batch(param, batch)
+        return bank if bank.dtype == bank_dtype else bank.astype(bank_dtype)
+
+    def _eager(self, param, inputs, config, batch, bank_dtype, seq_len, needs_backward):
+        """The op without graphs. A training call keeps what a replayed one keeps (token 0,
+        param, inputs) and recomputes its forward in its backward."""
+        bank = self._initial_bank(param, inputs[2], config, batch, bank_dtype)
+        res = sdm.forward(bank, *inputs, config, needs_backward=needs_backward, inplace=True,
+                          check_indices=False)
+        handle = (BackwardHandle(None, 0, param, inputs, config, batch, bank_dtype)
+                  if needs_backward else None)
+        state = res.bank if seq_len is None else sdm.LayerState(res.bank, seq_len)
+        return res.readings, state, handle
+
+    @classmethod
+    def _eager_grads(cls, h, grad_readings) -> RunnerGradients:
+        bank = cls._initial_bank(h.param, h.inputs[2], h.config, h.batch, h.bank_dtype)
+        res = sdm.forward(bank, *h.inputs, h.config, needs_backward=True, inplace=True,
+                          check_indices=False)
+        g = sdm.backward(res.saved, grad_readings)
+        gp = (None if h.param is None else
+              sdm.sum_memory_batch(g.bank, h.config.num_memory_slots))
+        return RunnerGradients(gp, g.write_w, g.values, g.beta, g.read_w)
+
+    # ---- backward ---------------------------------------------------------------------------
+    def backward(self, handle: BackwardHandle, grad_readings) -> RunnerGradients:
+        """Gradients of a training call (fresh arrays).
+
+        A replayed call whose entry no longer holds its state (a later forward of this runner,
+        of one sharing its entry, or of one captured before it in the same pool ran since)
+        first replays its forward from the handle's inputs (``stale_replay``). The backward
+        rewinds the static bank: a ``ReplayedState`` of the call not read before then raises.
+
+        Raises:
+            RuntimeError: the handle was used already. ValueError/TypeError: a bad gradient.
+        """
+        if not isinstance(handle, BackwardHandle):
+            raise TypeError("handle must be the third output of GraphRunner.forward with "
+                            f"needs_backward=True, got {type(handle).__name__}")
+        x = handle.inputs[2]
+        V.check_grad("grad_readings", grad_readings, tuple(x.shape), "[B, T, D]",
+                     V.array_module(x))
+        handle.take()
+        e = handle.entry
+        if e is None:
+            self.stats["eager_backward"] += 1
+            return self._eager_grads(handle, grad_readings)
+        abandoned = False
+        with ordered(e.pool) as stream:
+            if not e.released:
+                if e.token != handle.token:
+                    self.note("stale_replay", "the graph state of a forward was overwritten "
+                              "before its backward (a later forward of this runner, of one "
+                              "sharing its graphs, or of one captured before it in the same "
+                              "pool ran in between), so the backward replays that forward "
+                              "first: one more forward per such backward.")
+                    self._launch_forward(e, stream, handle.param, handle.inputs)
+                e.token = None   # the backward rewinds the static bank in place
+                e.grad_in[...] = grad_readings
+                grads = self._backward_graphs(e, stream)
+                if grads is not None:
+                    return grads
+                mempools = self._abandon(e)
+                abandoned = True
+        if abandoned:
+            e.pool.capture.release(mempools, e.pool.capture.current_stream())
+        self.stats["eager_backward"] += 1
+        return self._eager_grads(handle, grad_readings)
+
+    def _backward_body(self, e):
+        g = sdm.backward(e.fresh_saved(), e.grad_in)
+        gp = (None if e.static_param is None else
+              sdm.sum_memory_batch(g.bank, e.config.num_memory_slots))
+        return (gp, g.write_w, g.values, g.beta, g.read_w)
+
+    @staticmethod
+    def _fresh(grads) -> RunnerGradients:
+        return RunnerGradients(*(None if g is None else g.copy() for g in grads))
+
+    def _backward_graphs(self, e, stream):
+        """Gradients from the static state (fresh arrays), or None when the first backward ran
+        out of memory."""
+        cap = e.pool.capture
+        settings = cap.settings()
+        if e.backward is None and not e.backward_eager:
+            # First backward: eagerly on the static state from the graph's pool (this call's
+            # exact gradients, and the kernels get loaded), then capture it.
+            cs = e.pool.capture_stream
+            cap.wait(cs, stream)
+            try:
+                with cap.run_on(cs, e.mempool):
+                    grads = self._backward_body(e)
+            except Exception as exc:
+                cap.wait(stream, cs)
+                if cap.is_oom(exc):
+                    return None
+                raise
+            cap.wait(stream, cs)
+            out = self._fresh(grads)
+            del grads
+            try:
+                with _capture_lock:
+                    e.backward, e.grad_out = cap.capture(lambda: self._backward_body(e),
+                                                         e.mempool, cs, e.held)
+            except Exception as exc:   # keep the forward graph; the backward runs eager
+                e.backward_eager = True
+                self.note("eager_backward_capture", f"capturing the backward failed "
+                          f"({_failure(exc)}); it runs eager on the graph's state.")
+            else:
+                e.backward_settings = settings
+                if e.index is not None:
+                    e.pool.has_backward = True
+                self.stats["backward_capture"] += 1
+            finally:
+                cap.wait(stream, cs)
+            return out
+        if e.backward_eager or e.backward_settings != settings:
+            if not e.backward_eager:
+                self.note("eager_backward_settings", "the kernels' process-wide settings "
+                          "differ from those of the backward capture; it runs eager.")
+            self.stats["eager_backward"] += 1
+            return RunnerGradients(*self._backward_body(e))
+        cap.launch(e.backward, stream)
+        self.stats["backward_replay"] += 1
+        return self._fresh(e.grad_out)
+
+    def _abandon(self, e):
+        """The first backward ran out of memory (under the pool's lock): drop the entry and,
+        when its memory pool is shared, every entry of that pool, so that the memory can be
+        freed. Their runners run eager from now on (pending backwards from their inputs).
+        Returns the memory pools to release."""
+        entries = [e]
+        if e.index is not None:
+            entries += [x for x in (ref() for ref in e.pool.forward) if x is not None and x is not e]
+            pools.forget(e.pool)
+        with pools.shared_lock:
+            for k, x in list(pools.shared.items()):
+                if any(x is y for y in entries):
+                    del pools.shared[k]
+        mempools = []
+        for x in entries:
+            if not any(m is x.mempool for m in mempools):
+                mempools.append(x.mempool)
+            runners = list(x.runners)
+            x.release()
+            for runner in runners:
+                runner.capture_failed = True
+                for k, y in list(runner._entries.items()):
+                    if y is x:
+                        del runner._entries[k]
+                runner.note("eager_capture_failed", "the first backward of this runner, or of "
+                            "one sharing its graphs' memory pool, ran out of memory; it runs "
+                            "eager until sdm_cupy.graphs.reset_graphs().")
+        return mempools
