@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -252,6 +253,85 @@ def test_low_precision_bank_and_values(xp, rng, dtype, grad_bank_fp32):
     for name, w in zip(GRAD_NAMES, reference_bwd(pb, dr, dM)):
         assert_close(getattr(g, name), w, tol, f"{dtype} grad {name}")
     assert_bitwise(res.bank, bank0, "bank after backward (rewound)")
+
+
+def _one_token_per_row(T, S, hd, bank, write_rows, a, beta, values, read_rows, c):
+    """B = P = W = 1 inputs: token t writes row write_rows[t] and reads row read_rows[t]."""
+    shape = (1, T, 1, 1)
+    return (bank, np.asarray(write_rows, np.int32).reshape(shape),
+            np.full(shape, a, np.float32), values.reshape(1, T, hd).astype(np.float32),
+            np.full((1, T, 1), beta, np.float32), np.asarray(read_rows, np.int32).reshape(shape),
+            np.full(shape, c, np.float32))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_16bit_bank_entries_are_read_exactly(xp, dtype):
+    # every 16-bit pattern (subnormals, the largest finite, inf, NaN) as a bank entry, read back
+    # with weight 1 and 0.75 into float32 readings: exact (c*x is exact in float32). The
+    # pattern rows are never written, so they stay bitwise as they were.
+    dt = BF16 if dtype == "bfloat16" else np.dtype(np.float16)
+    hd, rows = 256, 256
+    patterns = np.arange(2 ** 16, dtype=np.uint16).view(dt).reshape(rows, hd)
+    S = rows + 1                                   # row 0: a clean row the tokens "write"
+    bank = np.concatenate([np.zeros((1, hd), dt), patterns])
+    for c in (1.0, 0.75):
+        args = _one_token_per_row(rows, S, hd, bank.copy(), np.zeros(rows), 0.0, 0.0,
+                                  np.zeros((rows, hd)), np.arange(1, S), c)
+        x = [xp.asarray(a) for a in args]
+        res = sdm.forward(*x, sdm.SDMConfig(S, 1, 64), needs_backward=False)
+        got = to_numpy(res.readings).reshape(rows, hd)
+        assert got.dtype == np.float32
+        with np.errstate(invalid="ignore"):
+            want = np.float32(c) * patterns.astype(np.float32)
+        same = (got == want) | (np.isnan(got) & np.isnan(want))
+        assert same.all(), (f"{dtype} entries read wrong at c={c}: {int((~same).sum())} of "
+                            f"{same.size}, e.g. bits {patterns.view(np.uint16)[~same][:4]}")
+        assert_bitwise(to_numpy(res.bank)[1:], patterns, f"{dtype} pattern rows after the call")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_16bit_bank_rows_round_to_nearest_even(xp, rng, dtype):
+    # token t writes a fresh zero row with a = beta = 1, so the new row is exactly v_t in
+    # float32; storing it in a 16-bit bank must round like numpy / ml_dtypes (to nearest, ties
+    # to even), subnormals and overflow to inf included
+    dt = BF16 if dtype == "bfloat16" else np.dtype(np.float16)
+    T, hd = 48, 64
+    finfo = ml_dtypes.finfo(dt) if dt == BF16 else np.finfo(dt)
+    lo = np.log2(float(finfo.smallest_subnormal)) - 2
+    hi = min(np.log2(float(finfo.max)) + 1, 127.9)          # finite in float32
+    mag = 2.0 ** rng.uniform(lo, hi, size=(T, hd))
+    v = (mag * rng.choice([-1.0, 1.0], size=(T, hd))).astype(np.float32)
+    tiny = float(finfo.smallest_subnormal)
+    if dt == BF16:   # beyond the largest bfloat16 + half an ulp: inf; half the smallest: 0
+        edges = [np.finfo(np.float32).max, -np.finfo(np.float32).max, 3.3961776e38]
+    else:            # 65520 is halfway between 65504 and 2^16: ties to even -> inf
+        edges = [65519.0, 65520.0, -65520.0, 65504.0]
+    edges += [tiny / 2, -tiny / 2, 1.5 * tiny, 2.5 * tiny, tiny]
+    # a third of the entries exactly halfway between two neighbouring 16-bit values (the
+    # bit pattern + 1 is the next value away from zero, for either sign)
+    k = rng.random((T, hd)) < 1 / 3
+    with np.errstate(over="ignore", invalid="ignore"):
+        near = v.astype(dt)
+        nxt = (near.view(np.uint16) + np.uint16(1)).view(dt)
+        mid = ((near.astype(np.float64) + nxt.astype(np.float64)) / 2).astype(np.float32)
+    ok = np.isfinite(mid) & np.isfinite(nxt.astype(np.float64))
+    v = np.where(k & ok, mid, v).astype(np.float32)
+    assert (k & ok).sum() > T * hd // 5
+    v[0, :len(edges)] = np.array(edges, np.float32)
+    S = T + 1
+    args = _one_token_per_row(T, S, hd, np.zeros((S, hd), dt), np.arange(T), 1.0, 1.0, v,
+                              np.full(T, T), 0.0)
+    res = sdm.forward(*[xp.asarray(a) for a in args], sdm.SDMConfig(S, 1, 16),
+                      needs_backward=False)
+    got = to_numpy(res.bank)
+    with np.errstate(over="ignore"):
+        want = v.astype(dt)
+    assert np.isinf(want.astype(np.float64)).any(), "the test covers overflow to inf"
+    assert (np.abs(want.astype(np.float64)) < float(finfo.smallest_normal)).any(), "subnormals"
+    bad = got[:T].view(np.uint16) != want.view(np.uint16)
+    assert not bad.any(), (f"{dtype} rounding differs at {int(bad.sum())} of {bad.size}: "
+                           f"float32 {v[bad][:3]} -> {got[:T][bad][:3]}, want {want[bad][:3]}")
+    assert (got[T].view(np.uint16) == 0).all(), "the read-only row stays zero"
 
 
 # Mixed dtypes: the 16-bit bounds above, float32 / float64 ones where no 16-bit array is
