@@ -126,6 +126,7 @@ BAD_FORWARD = {
                           r"read_w.*\[B, T, P, W\]"),
     "read_w-int": (lambda pb: dict(read_w=pb.read_w.astype(np.int32)), TypeError,
                    r"read_w.*float"),
+    "read_w-rank-5": (lambda pb: dict(read_w=pb.read_w[None]), ValueError, r"read_w.*rank 4"),
     # values
     "values-D-mismatch": (lambda pb: dict(values=bump(pb.values, 2, -1)), ValueError,
                           r"values.*\[B, T, D\]"),
@@ -213,6 +214,27 @@ def test_bad_forward_input_is_refused_before_anything_changes(xp, rng, case):
             for k, before in bad_before.items():
                 assert bitwise_equal(bad[k], before), f"bad {k} modified by the refused call"
     assert_good_call_matches_reference(xp, args, pristine, "a refused forward")
+
+
+def test_foreign_arrays_are_refused_with_a_pointer_to_from_dlpack(rng):
+    # a torch tensor is not taken implicitly: the message names the argument and the helper
+    torch = pytest.importorskip("torch")
+    pb = base_problem(rng)
+    before = {n: getattr(pb, n).copy() for n in ARG_NAMES}
+    for name in ("bank", "values", "read_w"):
+        args = {n: getattr(pb, n) for n in ARG_NAMES}
+        args[name] = torch.from_numpy(args[name].copy())
+        with pytest.raises(TypeError, match=rf"{name}.*from_dlpack"):
+            sdm.forward(*(args[n] for n in ARG_NAMES), good_config(), inplace=True)
+    for n in ARG_NAMES:
+        assert bitwise_equal(getattr(pb, n), before[n])
+    # through sdm.from_dlpack the same tensors work, zero-copy
+    tensors = {n: torch.from_numpy(getattr(pb, n).copy()) for n in ARG_NAMES}
+    views = {n: sdm.from_dlpack(t) for n, t in tensors.items()}
+    res = sdm.forward(*(views[n] for n in ARG_NAMES), good_config(), inplace=True)
+    _, M_ref = reference_fwd(pb)
+    assert res.bank is views["bank"]
+    assert_close(tensors["bank"].numpy(), M_ref, F64_RTOL, "torch bank updated in place")
 
 
 # ----------------------------------------------------------------------------- SDMConfig
