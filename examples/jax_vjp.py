@@ -30,14 +30,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import sys
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from jax.experimental.buffer_callback import buffer_callback
+# JAX preallocates 75% of GPU memory at its first GPU use; CuPy needs its share for the op.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-import sdm_cupy as sdm
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.experimental.buffer_callback import buffer_callback  # noqa: E402
+
+import sdm_cupy as sdm  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)   # float64 stays float64 through DLPack
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import weakref
 
 import numpy as np
@@ -152,6 +153,9 @@ def test_op_through_torch_cpu(torch, rng, dt):
 
 @pytest.fixture(scope="module")
 def jax():
+    # JAX grabs 75% of GPU memory at its first GPU use unless told not to: leave it to CuPy
+    # and the rest of the suite (must be set before JAX initialises its backends).
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     jax = pytest.importorskip("jax")
     jax.config.update("jax_enable_x64", True)   # float64 stays float64 (else a float32 copy)
     return jax
