@@ -52,7 +52,7 @@ class CupyCapture:
     name = "cupy"
 
     def device(self, x):
-        return x.device.id
+        return x.data.device_id   # (cheaper than x.device.id: no Device object per call)
 
     def current_stream(self):
         import cupy

@@ -250,7 +250,7 @@ class GraphRunner:
                                             cap.device(param))
         else:
             p = None   # the forward-only graph starts from its static bank, loaded outside
-        arrays = tuple((tuple(x.shape), np.dtype(x.dtype), cap.device(x)) for x in inputs)
+        arrays = tuple((x.shape, x.dtype, cap.device(x)) for x in inputs)
         return (needs_backward, device, p, batch, bank_dtype, arrays, config, cap.settings())
 
     # ---- capture ----------------------------------------------------------------------------
