@@ -61,6 +61,7 @@ from sdm_cupy.config import UnsupportedConfigurationError  # noqa: F401 (refusal
 
 from .cpu_chunk import (build_overlaps, clear_overlaps, dot, gather_reads, gather_writes,
                         hash_build, hash_clear, hash_find, hash_size, substitute)
+from .cpu_prefetch import PREFETCH_TOKENS, prefetch_token_rows
 from .cpu_formats import (FMT_BF16, FMT_F16, FMT_NATIVE, SNAP_CODES, SNAP_EXACT, SNAP_OFF,
                           dequantize_row, quantize_row, store_row)
 
@@ -164,6 +165,13 @@ def _fwd_head(bp, bank, fmt, wi, a, v, beta, ri, c, r, S, P, hd, C, mode, snap_n
         for q in range(nused):
             hb = used[q]
             e = hhead[hb]
+            if fmt == FMT_NATIVE and enext[e] < 0:      # the common case: slot written once
+                aw = wa[e]
+                t = e // W
+                rb = row0 + hkey[hb]
+                for k in range(hd):
+                    bank[rb, c0 + k] = R[e, k] + aw * U[t, k]
+                continue
             for k in range(hd):
                 acc[0, k] = R[e, k]
             while e >= 0:
@@ -260,6 +268,9 @@ def _bwd_head(bp, bank, fmt, wi, a, v, beta, ri, c, dr, dM, S, P, hd, C, mode, s
         # 1. rewind this chunk's written rows, then recompute on M0
         for e in range(n):
             t, w = e // W, e % W
+            if w == 0:
+                prefetch_token_rows(bank, wi, b, t0 + t + PREFETCH_TOKENS, p, W, S, row0, c0,
+                                    hd, 1)
             s = wi[b, t0 + t, p, w]
             if s < 0 or s >= S:
                 continue
@@ -280,6 +291,7 @@ def _bwd_head(bp, bank, fmt, wi, a, v, beta, ri, c, dr, dM, S, P, hd, C, mode, s
         substitute(v, beta, b, p, t0, T, L, c0, hd, X, G, gcols, gcnt, E, U)
         # 2. du = H^T dr + k·dM (dM as at the chunk's end), into Z
         for t in range(L):
+            prefetch_token_rows(dM, wi, b, t0 + t + PREFETCH_TOKENS, p, W, S, row0, c0, hd, 1)
             for k in range(hd):
                 Z[t, k] = 0
             for w in range(W):
@@ -344,6 +356,9 @@ def _bwd_head(bp, bank, fmt, wi, a, v, beta, ri, c, dr, dM, S, P, hd, C, mode, s
                 for k in range(hd):
                     dM[row0 + s, c0 + k] += g * Z[t, k]
         for e in range(n):
+            if e % W == 0:
+                prefetch_token_rows(dM, ri, b, t0 + e // W + PREFETCH_TOKENS, p, W, S, row0,
+                                    c0, hd, 1)
             j = rslot[e]
             if j >= 0:
                 cw = rc[e]

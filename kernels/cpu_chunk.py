@@ -23,6 +23,7 @@ import numpy as np
 from numba import njit
 
 from .cpu_formats import FMT_NATIVE, load_row
+from .cpu_prefetch import PREFETCH_TOKENS, prefetch_token_rows
 
 _HASH_MUL = 0x9E3779B1          # odd 32-bit multiplier (Knuth); slot ids are < 2^31
 
@@ -94,7 +95,9 @@ def dot(A, ia, ca, Bm, ib, cb, n):
     """A[ia, ca:ca+n]·Bm[ib, cb:cb+n] with 8 interleaved partial sums (a fixed order:
     reproducible, and vectorisable without fastmath). Rows are indexed, never sliced: an
     array view costs two atomic reference-count updates, which two workers contend for."""
-    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = A[ia, ca] * 0
+    # float32 zeros widen to float64 when the rows are float64 (an int 0 would make every
+    # sum float64 and scalar)
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0)
     n8 = n - n % 8
     for k in range(0, n8, 8):
         s0 += A[ia, ca + k] * Bm[ib, cb + k]
@@ -117,6 +120,7 @@ def gather_writes(idx, wts, bank, fmt, b, p, t0, L, W, S, row0, c0, hd, slot, wt
     rows for 16-bit banks. Returns the number of ids outside [0, S)."""
     bad = 0
     for t in range(L):
+        prefetch_token_rows(bank, idx, b, t0 + t + PREFETCH_TOKENS, p, W, S, row0, c0, hd, 0)
         for k in range(hd):
             X[t, k] = 0
         for w in range(W):
@@ -134,11 +138,13 @@ def gather_writes(idx, wts, bank, fmt, b, p, t0, L, W, S, row0, c0, hd, slot, wt
             wt[e] = aw
             if fmt == FMT_NATIVE:
                 for k in range(hd):
-                    R[e, k] = bank[row0 + s, c0 + k]
+                    x = bank[row0 + s, c0 + k]
+                    R[e, k] = x
+                    X[t, k] += aw * x
             else:
                 load_row(bank, row0 + s, c0, hd, fmt, R, e, cv[0], cv[1])
-            for k in range(hd):
-                X[t, k] += aw * R[e, k]
+                for k in range(hd):
+                    X[t, k] += aw * R[e, k]
     return bad
 
 
@@ -150,6 +156,7 @@ def gather_reads(idx, wts, bank, fmt, b, p, t0, T, L, W, S, row0, c0, hd, slot, 
     bad = 0
     fwd = Y.shape[0] > 0
     for t in range(L):
+        prefetch_token_rows(bank, idx, b, t0 + t + PREFETCH_TOKENS, p, W, S, row0, c0, hd, 0)
         if fwd:
             for k in range(hd):
                 Y[t, k] = 0
