@@ -150,20 +150,25 @@ def test_mixed_index_dtypes(xp, rng):
 
 
 def test_non_contiguous_inputs(xp, rng):
-    # strided views (every other token of a longer problem, a Fortran-order bank) are accepted
+    # strided views made on the array's own device (every other token of a longer problem)
+    # and a Fortran-order bank are accepted and give the same result
     big = make_problem(rng, B=2, T=24, P=2, hd=6, S=16, W=3)
-    pb = dataclasses.replace(
-        big, T=12, bank=np.asfortranarray(big.bank),
-        **{f: getattr(big, f)[:, ::2] for f in ("write_idx", "write_w", "values", "beta",
-                                                 "read_idx", "read_w")})
-    assert not pb.values.flags.c_contiguous and not pb.bank.flags.c_contiguous
+    names = ("write_idx", "write_w", "values", "beta", "read_idx", "read_w")
+    pb = dataclasses.replace(big, T=12, **{f: getattr(big, f)[:, ::2].copy() for f in names})
+    on_dev = big.to(xp)
+    views = [getattr(on_dev, f)[:, ::2] for f in names]
+    bank = xp.asfortranarray(on_dev.bank)
+    assert not views[2].flags.c_contiguous and not bank.flags.c_contiguous
     dr, dM = random_grads(rng, pb)
-    res, readings, final, g, _ = run_op(xp, pb, cfg_for(pb, 5), dr, dM)
+    res = sdm.forward(bank, *views, cfg_for(pb, 5))
     r_ref, M_ref = reference_fwd(pb)
-    assert_close(readings, r_ref, F64_RTOL, "readings")
-    assert_close(final, M_ref, F64_RTOL, "final bank")
+    assert_close(res.readings, r_ref, F64_RTOL, "readings")
+    assert_close(res.bank, M_ref, F64_RTOL, "final bank")
+    g = sdm.backward(res.saved, xp.asarray(dr), xp.asarray(dM))
     for name, w in zip(GRAD_NAMES, reference_bwd(pb, dr, dM)):
         assert_close(getattr(g, name), w, F64_RTOL, f"grad {name}")
+    assert_bitwise(res.bank, pb.bank, "rewound bank")
+    assert_bitwise(bank, pb.bank, "the Fortran-order input bank is left alone")
 
 
 def test_read_only_inputs_cpu(rng):
@@ -751,6 +756,8 @@ def test_untouched_rows_are_never_read(xp, rng):
 
 
 def test_forward_is_deterministic(xp, rng):
+    # a graph replay of a forward (SPEC §8.5) must give "the same result": two identical calls
+    # agree bitwise, repeated slots (the order-sensitive sums) included
     pb = make_problem(rng, B=2, T=30, P=2, hd=8, S=16, W=4, dtype=np.float32, repeat=True).to(xp)
     cfg = cfg_for(pb, 8)
     one = sdm.forward(pb.bank, *pb.inputs, cfg, needs_backward=False)
