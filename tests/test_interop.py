@@ -322,3 +322,38 @@ def test_op_through_torch_cuda(torch, rng, dt):
     r_ref, _ = reference_fwd(pb)
     tol = {"f32": 1e-5, "bf16": 5e-2}[dt]
     assert_close(r.double().cpu().numpy(), r_ref, tol, f"readings via torch CUDA ({dt})")
+
+
+class _LegacyProducer:
+    """A producer from before DLPack 1.0: no ``max_version`` keyword, unversioned capsules."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def __dlpack__(self, stream=None):
+        from torch.utils.dlpack import to_dlpack
+        return to_dlpack(self.tensor)
+
+    def __dlpack_device__(self):
+        return self.tensor.__dlpack_device__()
+
+
+@pytest.mark.parametrize("dt", ["f32", "bf16"])
+def test_legacy_unversioned_producer(torch, dt):
+    t = torch.arange(10, dtype=torch.float32).to(_torch_dtype(torch, dt))
+    v = sdm.from_dlpack(_LegacyProducer(t))
+    assert v.dtype == np.dtype(DTYPES[dt]) and v.ctypes.data == t.data_ptr()
+    np.testing.assert_array_equal(v.astype(np.float32), np.arange(10, dtype=np.float32))
+
+
+def test_bf16_export_speaks_both_dlpack_versions(torch):
+    a = np.arange(6, dtype=np.float32).astype(BF16)
+    exp = sdm.to_dlpack(a)
+    assert exp.shape == (6,) and exp.dtype == BF16 and exp.array is a
+    legacy = torch.utils.dlpack.from_dlpack(exp.__dlpack__())          # "dltensor"
+    versioned = torch.from_dlpack(exp)                                 # asks for max_version
+    for t in (legacy, versioned):
+        assert t.dtype == torch.bfloat16 and t.data_ptr() == a.ctypes.data
+    # NumPy itself takes the relabelled capsule back as bfloat16 via from_dlpack
+    back = sdm.from_dlpack(exp)
+    assert back.dtype == BF16 and back.ctypes.data == a.ctypes.data
