@@ -200,7 +200,7 @@ class GraphRunner:
                       "graphs need CuPy arrays).")
             return self._eager(*call)
         if graphs_suspended():
-            self.stats["eager_suspended"] += 1
+            self.note("eager_suspended", "calls inside suspend_graphs() run eager.")
             return self._eager(*call)
         if cap.is_capturing():
             self.note("eager_nested_capture", "the current stream is already capturing a "
@@ -233,7 +233,8 @@ class GraphRunner:
         with ordered(e.pool) as stream:
             if not e.released:   # (another thread's out-of-memory backward releases it)
                 return self._replay(e, stream, *call)
-        self.stats["eager_released"] += 1
+        self.note("eager_released", "the graphs of this runner were released (an "
+                  "out-of-memory first backward in their pool); the call runs eager.")
         return self._eager(*call)
 
     def _capture_for(self, values):

@@ -730,3 +730,14 @@ def test_numpy_without_stand_in_runs_eager(rng):
     readings, bank, h = r.forward(p, *pb.inputs, cfg(), batch=pb.B)
     assert r.stats["eager_host"] == 1 and not h.graphed
     same(readings, eager(p, pb.inputs, cfg(), pb.B)[0], "readings")
+
+
+def test_decode_example_runs_on_the_stand_in():
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, os.path.join(root, "examples", "decode_with_graphs.py"),
+                           "--cpu", "--tokens", "8"], cwd=root, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and "PASSED" in proc.stdout, proc.stdout + proc.stderr[-3000:]

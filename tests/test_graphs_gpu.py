@@ -253,7 +253,7 @@ def test_graphs_launched_after_work_on_another_stream(env, rng):
     stream_works(cp, s2)
 
 
-def test_decode_example_runs():
+def test_decode_example_runs():  # real CUDA graphs
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run([sys.executable, os.path.join(root, "examples", "decode_with_graphs.py")],
                           cwd=root, capture_output=True, text=True, timeout=300)
