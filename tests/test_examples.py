@@ -5,6 +5,7 @@ fails. Where torch/JAX see a GPU (and CuPy does), the examples check the CUDA pa
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -13,8 +14,12 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# The gpu-marked checks ask JAX for its GPUs in this process: keep JAX from preallocating 75%
+# of the GPU's memory, which the rest of the suite needs.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-def run_example(name, *args, timeout=300):
+
+def run_example(name, *args, timeout=600):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", name), *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, (f"{name} exited {proc.returncode}\n--- stdout\n{proc.stdout}"
@@ -22,16 +27,44 @@ def run_example(name, *args, timeout=300):
     return proc.stdout
 
 
+@functools.lru_cache(maxsize=None)
+def run_cached(name):
+    """One run per session: the CPU test and its gpu-marked twin read the same output."""
+    return run_example(name)
+
+
 def test_torch_autograd_example():
     pytest.importorskip("torch")
-    out = run_example("torch_autograd.py")
+    out = run_cached("torch_autograd.py")
     assert "PASSED" in out and "MISMATCH" not in out
 
 
 def test_jax_vjp_example():
     pytest.importorskip("jax")
-    out = run_example("jax_vjp.py")
+    out = run_cached("jax_vjp.py")
     assert "PASSED" in out and "MISMATCH" not in out
+
+
+@pytest.mark.gpu
+def test_torch_autograd_example_checked_cuda():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA")
+    out = run_cached("torch_autograd.py")
+    assert "[cuda float64]" in out and "[cuda float32]" in out, out
+    assert "PASSED" in out
+
+
+@pytest.mark.gpu
+def test_jax_vjp_example_checked_gpu():
+    jax = pytest.importorskip("jax")
+    try:
+        jax.devices("gpu")
+    except RuntimeError:
+        pytest.skip("JAX has no GPU backend")
+    out = run_cached("jax_vjp.py")
+    assert "[gpu float64]" in out and "[gpu float32]" in out, out
+    assert "PASSED" in out
 
 
 def test_associative_recall_ci_run(tmp_path):

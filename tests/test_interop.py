@@ -15,6 +15,10 @@ from helpers import BF16, DTYPES, make_problem, assert_close, reference_fwd
 
 DTYPE_IDS = list(DTYPES)
 
+# JAX grabs 75% of GPU memory at its first GPU use unless told not to: leave it to CuPy and
+# the rest of the suite (read when JAX initialises its backends, so set at collection).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 
 def aligned_empty(shape, dtype, align=64):
     """A NumPy array whose data starts on an ``align``-byte boundary (JAX needs 64 on the CPU
@@ -153,9 +157,6 @@ def test_op_through_torch_cpu(torch, rng, dt):
 
 @pytest.fixture(scope="module")
 def jax():
-    # JAX grabs 75% of GPU memory at its first GPU use unless told not to: leave it to CuPy
-    # and the rest of the suite (must be set before JAX initialises its backends).
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     jax = pytest.importorskip("jax")
     jax.config.update("jax_enable_x64", True)   # float64 stays float64 (else a float32 copy)
     return jax
