@@ -19,6 +19,7 @@ import os
 import subprocess
 import time
 
+import numba
 import numpy as np
 
 import sdm_cupy as sdm
@@ -165,6 +166,7 @@ def main():
     dr = rng.normal(size=(B, T, D)).astype(f32)
     cfg = sdm.SDMConfig(num_memory_slots=S, num_parallel=P, chunk_size=C)
 
+    load_start = os.getloadavg()[0]
     # warm-up (compiles or loads the Numba cache) and a correctness cross-check
     res = sdm.forward(bank0, wi, a, v, beta, ri, c, cfg, needs_backward=True)
     nb = bank0.copy()
@@ -184,6 +186,13 @@ def main():
         rs = sdm.forward(m, wi, a, v, beta, ri, c, cfg, needs_backward=True, inplace=True)
         sdm.backward(rs.saved, dr)
     t_nb_fb, _ = median_time(nb_fb, args.repeats, copy)
+    nthreads = numba.get_num_threads()
+    numba.set_num_threads(1)                 # the same kernels on one core, like NumPy's
+    t_nb1_f, _ = median_time(lambda m: sdm.forward(m, wi, a, v, beta, ri, c, cfg,
+                                                   needs_backward=False, inplace=True),
+                             args.repeats, copy)
+    t_nb1_fb, _ = median_time(nb_fb, args.repeats, copy)
+    numba.set_num_threads(nthreads)
     t_np_f, _ = median_time(lambda m: numpy_forward(m, wi, a, v, beta, ri, c, S, P),
                             args.numpy_repeats, copy)
 
@@ -196,14 +205,19 @@ def main():
     floor_f = byte_floor(B, T, P, hd, S, W, wi, ri) / bw
     floor_fb = byte_floor(B, T, P, hd, S, W, wi, ri, backward=True) / bw
     tok = B * T
+    load_end = os.getloadavg()[0]
+    nb = f"numba ({nthreads} threads)"
     rows = [
-        ("forward", "numba", t_nb_f, floor_f), ("forward", "numpy", t_np_f, floor_f),
-        ("forward+backward", "numba", t_nb_fb, floor_fb),
+        ("forward", nb, t_nb_f, floor_f), ("forward", "numba (1 thread)", t_nb1_f, floor_f),
+        ("forward", "numpy", t_np_f, floor_f),
+        ("forward+backward", nb, t_nb_fb, floor_fb),
+        ("forward+backward", "numba (1 thread)", t_nb1_fb, floor_fb),
         ("forward+backward", "numpy", t_np_fb, floor_fb),
     ]
     lines = [
-        f"B={B} T={T} P={P} hd={hd} S={S} W={W} C={C}, float32, {os.cpu_count()} CPU threads, "
-        f"memcpy {bw / 1e9:.1f} GB/s (read+write)",
+        f"B={B} T={T} P={P} hd={hd} S={S} W={W} C={C}, float32, {os.cpu_count()} CPUs, "
+        f"memcpy {bw / 1e9:.1f} GB/s (read+write), 1-min load average {load_start:.1f} at "
+        f"start / {load_end:.1f} at end (other processes share these CPUs when > ~0)",
         "",
         "| pass | impl | median ms | tokens/s | byte floor ms | time/floor | speed-up vs numpy |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: |",

@@ -266,3 +266,71 @@ def substitute(v, beta, b, p, t0, T, L, c0, hd, X, G, gcols, gcnt, E, U):
         bt = beta[b, t0 + t, p]
         for k in range(hd):
             U[t, k] = bt * E[t, k]
+
+
+@njit(cache=True)
+def overlap_grads(n, W, wa, rslot, rc, hkey, hhead, enext, used, nused, dG, dH, da, dc):
+    """The dG, dH terms of SPEC §4 step 5: walks the same chains as ``build_overlaps``."""
+    for q in range(nused):
+        h = used[q]
+        first = hhead[h]
+        if enext[first] < 0:
+            continue
+        ea = enext[first]
+        while ea >= 0:
+            ta = ea // W
+            eb = first
+            while eb != ea:
+                tb = eb // W
+                if tb < ta:
+                    d = dG[ta, tb]
+                    da[ea] += d * wa[eb]
+                    da[eb] += d * wa[ea]
+                eb = enext[eb]
+            ea = enext[ea]
+    for er in range(n):
+        j = rslot[er]
+        if j < 0:
+            continue
+        h = hash_find(hkey, j)
+        if h < 0:
+            continue
+        ts = er // W
+        e = hhead[h]
+        while e >= 0:
+            tt = e // W
+            if tt > ts:
+                break
+            d = dH[ts, tt]
+            da[e] += d * rc[er]
+            dc[er] += d * wa[e]
+            e = enext[e]
+
+
+# ------------------------------------------------------------------- per-worker scratch
+
+@njit(cache=True)
+def scratch(Lmax, W, hd, dt):
+    n = Lmax * W
+    return (np.empty(n, np.int64), np.empty(n, dt), np.empty(n, np.int64), np.empty(n, dt),
+            np.empty((n, hd), dt), np.empty((Lmax, hd), dt), np.empty((Lmax, hd), dt),
+            np.empty((Lmax, hd), dt))
+
+
+@njit(cache=True)
+def hash_scratch(n):
+    size = hash_size(n)
+    return (np.full(size, -1, np.int64), np.empty(size, np.int64), np.empty(size, np.int64),
+            np.empty(n, np.int64), np.empty(n, np.int64))
+
+
+@njit(cache=True)
+def overlap_scratch(L, dt):
+    return (np.empty((L, L), dt), np.zeros((L, L), np.uint8), np.empty((L, L), np.int64),
+            np.zeros(L, np.int64), np.empty((L, L), dt), np.zeros((L, L), np.uint8),
+            np.empty((L, L), np.int64), np.zeros(L, np.int64))
+
+
+@njit(cache=True)
+def snapshot_row(b, p, t, w, P, T, W):
+    return ((b * P + p) * T + t) * W + w
