@@ -233,13 +233,19 @@ def test_concurrent_calls_from_four_threads(rng):
 
 # ------------------------------------------------------------------ snapshot quantization
 
-# Measured on random problems (this test asserts them with margin): relative RMS error of the
-# gradients / the rewound bank against the exact-snapshot run, float32 bank, hd=32.
+# Measured (six seeds, B=2 T=48 P=2 hd=32 S=24 W=4 C=8, float32 bank): relative RMS error
+# against the exact-snapshot run of d_write_w / d_beta / d_read_w, and of the rewound bank
+# against the initial bank:
+#   bf16      1.2e-3 / 9.5e-4 / 1.7e-3, bank 1.7e-3
+#   fp8_e4m3  1.7e-2 / 1.6e-2 / 2.4e-2, bank 2.4e-2
+#   int8      3.5e-3 / 2.9e-3 / 5.6e-3, bank 5.5e-3
+# d_bank and d_values do not depend on the bank's content (the op is affine in M), so they are
+# exact whatever the snapshots. The bounds below leave a margin of about 2.5x.
 QUANT_BOUNDS = {
-    # mode: (max relative RMS of every gradient, of the rewound bank vs the initial bank)
-    "bf16": (2e-2, 4e-3),
-    "fp8_e4m3": (1.5e-1, 5e-2),
-    "int8": (6e-2, 1.5e-2),
+    # mode: (max relative RMS of the weight gradients, of the rewound bank)
+    "bf16": (5e-3, 4e-3),
+    "fp8_e4m3": (6e-2, 5e-2),
+    "int8": (1.5e-2, 1.2e-2),
 }
 
 
@@ -253,10 +259,10 @@ def test_quantized_snapshot_error_bounds(rng, mode):
     # the forward does not depend on how snapshots are stored
     assert np.array_equal(r_x, r_q) and np.array_equal(f_x, f_q)
     g_bound, bank_bound = QUANT_BOUNDS[mode]
+    assert np.array_equal(g_q.bank, g_x.bank) and np.array_equal(g_q.values, g_x.values)
     errs = {name: rel_err(q, x) for name, q, x in zip(
-        ("bank", "write_w", "values", "beta", "read_w"),
-        (g_q.bank, g_q.write_w, g_q.values, g_q.beta, g_q.read_w),
-        (g_x.bank, g_x.write_w, g_x.values, g_x.beta, g_x.read_w))}
+        ("write_w", "beta", "read_w"), (g_q.write_w, g_q.beta, g_q.read_w),
+        (g_x.write_w, g_x.beta, g_x.read_w))}
     bank_err = rel_err(res.bank, pb.bank)
     print(mode, {k: f"{v:.1e}" for k, v in errs.items()}, f"rewound bank {bank_err:.1e}")
     for name, e in errs.items():
