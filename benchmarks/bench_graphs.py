@@ -37,18 +37,48 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 NAMES = ("write_idx", "write_w", "values", "beta", "read_idx", "read_w")
 
 
-def per_step(fn, steps, loops=5, warmup=20):
+HOST = {}   # case -> host (enqueue) time per step, to tell host-bound from device-bound
+
+
+def per_step(fn, steps, loops=5, warmup=20, name=None):
     for _ in range(warmup):
         fn()
     cp.cuda.Device().synchronize()
-    ts = []
+    ts, hs = [], []
     for _ in range(loops):
         t0 = time.perf_counter()
         for _ in range(steps):
             fn()
+        t1 = time.perf_counter()
         cp.cuda.Device().synchronize()
         ts.append((time.perf_counter() - t0) / steps)
+        hs.append((t1 - t0) / steps)
+    if name:
+        HOST[name] = float(np.median(hs))
     return float(np.median(ts))
+
+
+def breakdown(runner, box, sx, cfg, B, steps=2000):
+    """Host time of the pieces of one decode replay (us each)."""
+    e = runner._entries[False]
+    cap = e.pool.capture
+    stream = cp.cuda.get_current_stream()
+    parts = {
+        "graph launch": lambda: cap.launch(e.forward, stream),
+        "readings copy (memcpy)": lambda: cap.copy(e.readings),
+        "readings copy (ndarray.copy)": lambda: e.readings.copy(),
+        "stream.is_capturing": lambda: stream.is_capturing(),
+        "settings": lambda: cap.settings(),
+    }
+    out = {}
+    for name, fn in parts.items():
+        cp.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        out[name] = (time.perf_counter() - t0) / steps * 1e6
+        cp.cuda.Device().synchronize()
+    return out
 
 
 def inputs(rng, B, T, P, hd, S, W):
@@ -89,10 +119,12 @@ def bench_decode(rng, steps, B=64, P=8, hd=128, S=16384, W=16):
         box["state"] = runner.forward(box["state"], *x, cfg, batch=B, needs_backward=False,
                                       seq_len=box["state"].seq_len + 1)[1]
 
-    t_eager = per_step(eager, steps)
-    t_static = per_step(replay_static, steps)
-    t_copies = per_step(replay_copies, steps)
+    t_eager = per_step(eager, steps, name="decode eager")
+    t_static = per_step(replay_static, steps, name="decode replay (static inputs)")
+    t_copies = per_step(replay_copies, steps, name="decode replay (input copies)")
     assert runner.stats["forward_capture"] == 1 and runner.stats["eager_shape"] == 0
+    print("decode replay pieces, host us:", {k: round(v, 2) for k, v in
+                                             breakdown(runner, box, sx, cfg, B).items()})
     return {"eager": t_eager, "replay (static inputs)": t_static,
             "replay (input copies)": t_copies}
 
@@ -112,22 +144,21 @@ def bench_train(rng, steps, B=1, T=256, P=8, hd=128, S=16384, W=16):
 
     runner = graphs.GraphRunner("train")
 
-    def replay():
+    def replay():   # the final bank comes back as a fresh copy
         _, _, h = runner.forward(param, *x, cfg, batch=B)
         runner.backward(h, dr)
 
-    replay()
-    sp = runner.static_inputs(needs_backward=True)["param"]   # e.g. an optimizer's target
-
-    def replay_static_param():
-        _, _, h = runner.forward(sp, *x, cfg, batch=B)
+    def replay_state():   # the state object instead (seq_len given): no bank copy
+        _, _, h = runner.forward(param, *x, cfg, batch=B, seq_len=T)
         runner.backward(h, dr)
 
-    t_eager = per_step(eager, steps, warmup=5)
-    t_replay = per_step(replay, steps, warmup=5)
-    t_static = per_step(replay_static_param, steps, warmup=5)
+    replay()
+    t_eager = per_step(eager, steps, warmup=5, name="train eager")
+    t_replay = per_step(replay, steps, warmup=5, name="train replay (bank copied)")
+    t_state = per_step(replay_state, steps, warmup=5, name="train replay (state object)")
     assert runner.stats["backward_replay"] > 0 and runner.stats["stale_replay"] == 0
-    return {"eager": t_eager, "replay": t_replay, "replay (static param)": t_static}
+    return {"eager": t_eager, "replay (bank copied)": t_replay,
+            "replay (state object)": t_state}
 
 
 def main(argv=None):
@@ -152,13 +183,16 @@ def main(argv=None):
     for case, res in (("decode T=1 B=64 P=8 hd=128 S=16384 W=16 bf16", dec),
                       ("train step fwd+bwd B=1 T=256 (same sizes)", tr)):
         base = res["eager"]
+        kind = "decode" if case.startswith("decode") else "train"
         for how, t in res.items():
-            rows.append((case, how, t * 1e6, base / t))
+            rows.append((case, how, t * 1e6, HOST.get(f"{kind} {how}", float("nan")) * 1e6,
+                         base / t))
     lines = ["", f"## Graph replay vs eager ({datetime.date.today().isoformat()})", "",
              f"commit `{commit}`, device {device}, cupy {cp.__version__}, command "
              f"`python3 benchmarks/bench_graphs.py{' --quick' if args.quick else ''}`", "",
-             "| case | path | per step (us) | speed-up vs eager |", "| --- | --- | ---: | ---: |"]
-    lines += [f"| {c} | {h} | {t:.1f} | {s:.2f}x |" for c, h, t, s in rows]
+             "| case | path | per step (us) | host enqueue per step (us) | speed-up vs eager |",
+             "| --- | --- | ---: | ---: | ---: |"]
+    lines += [f"| {c} | {h} | {t:.1f} | {hh:.1f} | {s:.2f}x |" for c, h, t, hh, s in rows]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.results:

@@ -61,10 +61,10 @@ class CupyCapture:
     def stream_key(self, stream):
         return stream.ptr
 
-    def is_capturing(self) -> bool:
+    def is_capturing(self, stream=None) -> bool:
         import cupy
         try:
-            return bool(cupy.cuda.get_current_stream().is_capturing())
+            return bool((stream or cupy.cuda.get_current_stream()).is_capturing())
         except Exception:  # noqa: BLE001 - e.g. the legacy stream while another stream captures
             return True
 
@@ -80,6 +80,27 @@ class CupyCapture:
     def wait(self, waiter, waited) -> None:
         """``waiter`` runs its next work after the work queued on ``waited`` so far."""
         waiter.wait_event(waited.record())
+
+    # A plain cudaMemcpyAsync costs a few microseconds of host time; CuPy's elementwise copy
+    # kernel costs several times that, which decode steps would feel.
+    def copy(self, src):
+        """A fresh C-contiguous copy of ``src`` on the current stream (default allocator)."""
+        import cupy
+        if not src.flags.c_contiguous:
+            return src.copy()
+        out = cupy.empty(src.shape, dtype=src.dtype)
+        if src.nbytes:
+            out.data.copy_from_device_async(src.data, src.nbytes)
+        return out
+
+    def copy_into(self, dst, src) -> None:
+        """``dst[...] = src`` on the current stream; a memcpy when layouts match."""
+        if (dst.dtype == src.dtype and dst.shape == src.shape and dst.flags.c_contiguous
+                and src.flags.c_contiguous and dst.data.device_id == src.data.device_id):
+            if src.nbytes:
+                dst.data.copy_from_device_async(src.data, src.nbytes)
+        else:
+            dst[...] = src
 
     @contextlib.contextmanager
     def run_on(self, stream, mempool, held=None):
@@ -118,8 +139,13 @@ class CupyCapture:
         rt = cupy.cuda.runtime
         return isinstance(exc, rt.CUDARuntimeError) and exc.status == rt.errorMemoryAllocation
 
+    _gpu = None
+
     def settings(self) -> tuple:
-        from sdm_cupy.kernels import gpu
+        gpu = CupyCapture._gpu
+        if gpu is None:   # (an import statement per call costs microseconds on every replay)
+            from sdm_cupy.kernels import gpu
+            CupyCapture._gpu = gpu
         return ("gpu",) + tuple(gpu.settings())
 
     def release(self, mempools, stream) -> None:
@@ -220,8 +246,8 @@ class HostCapture:
     def stream_key(self, stream):
         return id(stream)
 
-    def is_capturing(self) -> bool:
-        return self.current_stream().capturing
+    def is_capturing(self, stream=None) -> bool:
+        return (stream or self.current_stream()).capturing
 
     def new_mempool(self):
         return HostPool()
@@ -231,6 +257,12 @@ class HostCapture:
 
     def wait(self, waiter, waited) -> None:
         self.waits.append((waiter, waited))
+
+    def copy(self, src):
+        return src.copy()
+
+    def copy_into(self, dst, src) -> None:
+        dst[...] = src
 
     @contextlib.contextmanager
     def run_on(self, stream, mempool, held=None):

@@ -102,7 +102,7 @@ class ReplayedState(sdm.LayerState):
             with ordered(e.pool):
                 if e.token != self._token or e.released:
                     raise RuntimeError(_STALE)
-                self._copy = e.bank.copy()
+                self._copy = e.pool.capture.copy(e.bank)
             self._entry = None
         return self._copy
 

@@ -74,22 +74,39 @@ def clear_pools() -> None:
         _pools.clear()
 
 
-@contextlib.contextmanager
-def ordered(pool):
-    """Runs the block alone among the threads' blocks on ``pool``; when the current stream is
-    not the pool's, the block's work runs after the work queued on the pool's stream and
-    before the work queued there next. Yields the current stream."""
-    cap = pool.capture
-    with pool.lock:
-        current = cap.current_stream()
-        if cap.stream_key(current) == cap.stream_key(pool.stream):
-            yield current
-            return
-        cap.wait(current, pool.stream)
+class ordered:
+    """``with ordered(pool) as stream:`` runs the block alone among the threads' blocks on
+    ``pool``; when the current stream is not the pool's, the block's work runs after the work
+    queued on the pool's stream and before the work queued there next (events). Yields the
+    current stream. (A class, not a generator: it sits on every replay's path.)"""
+
+    __slots__ = ("pool", "current", "other")
+
+    def __init__(self, pool, current=None):
+        self.pool, self.current, self.other = pool, current, False
+
+    def __enter__(self):
+        pool = self.pool
+        cap = pool.capture
+        pool.lock.acquire()
         try:
-            yield current
+            current = self.current if self.current is not None else cap.current_stream()
+            self.current = current
+            if current is not pool.stream and cap.stream_key(current) != cap.stream_key(pool.stream):
+                cap.wait(current, pool.stream)
+                self.other = True
+        except BaseException:
+            pool.lock.release()
+            raise
+        return current
+
+    def __exit__(self, *exc):
+        try:
+            if self.other:
+                self.pool.capture.wait(self.pool.stream, self.current)
         finally:
-            cap.wait(pool.stream, current)
+            self.pool.lock.release()
+        return False
 
 
 # ---- entries shared across regions ----------------------------------------------------------

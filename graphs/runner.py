@@ -33,6 +33,8 @@ import sdm_cupy as sdm
 from sdm_cupy import _validate as V
 
 from . import pools
+from sdm_cupy.state import LayerState
+
 from .capture import cupy_capture
 from .entry import BackwardHandle, Entry, ReplayedState, RunnerGradients
 from .pools import next_token, ordered
@@ -179,38 +181,38 @@ class GraphRunner:
         """
         needs_backward = bool(needs_backward)
         inputs = (write_idx, write_w, values, beta, read_idx, read_w)
-        if isinstance(param, sdm.LayerState) and needs_backward:
+        is_state = isinstance(param, LayerState)
+        if is_state and needs_backward:
             raise TypeError("param must be an [S, D] array or None when needs_backward=True; "
                             "a LayerState is accepted by forward-only calls")
         batch = int(batch)
         if dtype is not None:
             bank_dtype = np.dtype(dtype)
-        elif isinstance(param, ReplayedState):
-            bank_dtype = np.dtype(param.dtype)
-        elif isinstance(param, sdm.LayerState):
-            bank_dtype = np.dtype(param.memory.dtype)
-        elif param is not None:
-            bank_dtype = np.dtype(param.dtype)
+        elif param is None:
+            bank_dtype = values.dtype
+        elif is_state and not isinstance(param, ReplayedState):
+            bank_dtype = param.memory.dtype
         else:
-            bank_dtype = np.dtype(values.dtype)
+            bank_dtype = param.dtype   # an array, or a ReplayedState (without copying)
         call = (param, inputs, config, batch, bank_dtype, seq_len, needs_backward)
-        cap = self._capture_for(values)
+        cap = self.capture or self._capture_for(values)
         if cap is None:
             self.note("eager_host", "NumPy arrays without a capture stand-in run eager (CUDA "
                       "graphs need CuPy arrays).")
             return self._eager(*call)
-        if graphs_suspended():
+        if _suspended:
             self.note("eager_suspended", "calls inside suspend_graphs() run eager.")
             return self._eager(*call)
-        if cap.is_capturing():
+        stream = cap.current_stream()
+        if cap.is_capturing(stream):
             self.note("eager_nested_capture", "the current stream is already capturing a "
                       "graph; the call runs eager (and is recorded into that graph).")
             return self._eager(*call)
         if self.capture_failed:
             self.stats["eager_capture_failed"] += 1
             return self._eager(*call)
-        key = self._key(cap, *call)
         e = self._entries.get(needs_backward)
+        key = self._key(cap, e, *call)
         if e is None:
             with self._acquire_lock:   # threads sharing a runner capture once
                 e = self._entries.get(needs_backward)
@@ -230,7 +232,7 @@ class GraphRunner:
             r = pools.current_region()
             if r is not None:
                 r.used.add(e)
-        with ordered(e.pool) as stream:
+        with ordered(e.pool, stream) as stream:
             if not e.released:   # (another thread's out-of-memory backward releases it)
                 return self._replay(e, stream, *call)
         self.note("eager_released", "the graphs of this runner were released (an "
@@ -244,15 +246,20 @@ class GraphRunner:
             return cupy_capture()
         return None
 
-    def _key(self, cap, param, inputs, config, batch, bank_dtype, seq_len, needs_backward):
-        device = cap.device(inputs[2])
+    def _key(self, cap, e, param, inputs, config, batch, bank_dtype, seq_len, needs_backward):
         if needs_backward:
             p = None if param is None else (tuple(param.shape), np.dtype(param.dtype),
                                             cap.device(param))
         else:
             p = None   # the forward-only graph starts from its static bank, loaded outside
-        arrays = tuple((x.shape, x.dtype, cap.device(x)) for x in inputs)
-        return (needs_backward, device, p, batch, bank_dtype, arrays, config, cap.settings())
+        if e is not None and not e.released:
+            # the entry's own static arrays (filled in place by the caller) keep their key
+            arrays = tuple(k if x is st else (x.shape, x.dtype, cap.device(x))
+                           for x, st, k in zip(inputs, e.static_in, e.key[5]))
+        else:
+            arrays = tuple((x.shape, x.dtype, cap.device(x)) for x in inputs)
+        return (needs_backward, arrays[2][2], p, batch, bank_dtype, arrays, config,
+                cap.settings())
 
     # ---- capture ----------------------------------------------------------------------------
     def _acquire(self, cap, key, *call):
@@ -349,7 +356,7 @@ class GraphRunner:
         if param is None:
             bank.fill(0)
         elif isinstance(param, sdm.LayerState):
-            bank[...] = param.memory
+            e.pool.capture.copy_into(bank, param.memory)
         else:
             bank.reshape(batch, param.shape[0], param.shape[1])[...] = param
 
@@ -357,12 +364,12 @@ class GraphRunner:
         cap = e.pool.capture
         if e.needs_backward:
             if e.static_param is not None and param is not e.static_param:
-                e.static_param[...] = param
+                cap.copy_into(e.static_param, param)
         else:
             self._load_bank(e, param, e.batch)
         for static, x in zip(e.static_in, inputs):
             if x is not static:
-                static[...] = x
+                cap.copy_into(static, x)
         cap.launch(e.forward, stream)
         e.token = next_token()
         e.pool.invalidate_after(e)
@@ -370,8 +377,9 @@ class GraphRunner:
 
     def _replay(self, e, stream, param, inputs, config, batch, bank_dtype, seq_len,
                 needs_backward):
+        cap = e.pool.capture
         token = self._launch_forward(e, stream, param, inputs)
-        readings = e.readings.copy()
+        readings = cap.copy(e.readings)
         self.stats["forward_replay"] += 1
         handle = None
         if needs_backward:
@@ -380,11 +388,11 @@ class GraphRunner:
             statics = [s for s in (e.static_param, *e.static_in) if s is not None]
 
             def keep(x):
-                return x.copy() if x is not None and any(x is s for s in statics) else x
+                return cap.copy(x) if x is not None and any(x is s for s in statics) else x
 
             handle = BackwardHandle(e, token, keep(param), tuple(keep(x) for x in inputs),
                                     config, batch, bank_dtype)
-        state = e.bank.copy() if seq_len is None else ReplayedState(e, token, seq_len)
+        state = cap.copy(e.bank) if seq_len is None else ReplayedState(e, token, seq_len)
         return readings, state, handle
 
     # ---- eager ------------------------------------------------------------------------------
@@ -454,7 +462,7 @@ class GraphRunner:
                               "first: one more forward per such backward.")
                     self._launch_forward(e, stream, handle.param, handle.inputs)
                 e.token = None   # the backward rewinds the static bank in place
-                e.grad_in[...] = grad_readings
+                e.pool.capture.copy_into(e.grad_in, grad_readings)
                 grads = self._backward_graphs(e, stream)
                 if grads is not None:
                     return grads
@@ -472,8 +480,8 @@ class GraphRunner:
         return (gp, g.write_w, g.values, g.beta, g.read_w)
 
     @staticmethod
-    def _fresh(grads) -> RunnerGradients:
-        return RunnerGradients(*(None if g is None else g.copy() for g in grads))
+    def _fresh(cap, grads) -> RunnerGradients:
+        return RunnerGradients(*(None if g is None else cap.copy(g) for g in grads))
 
     def _backward_graphs(self, e, stream):
         """Gradients from the static state (fresh arrays), or None when the first backward ran
@@ -494,7 +502,7 @@ class GraphRunner:
                     return None
                 raise
             cap.wait(stream, cs)
-            out = self._fresh(grads)
+            out = self._fresh(cap, grads)
             del grads
             try:
                 with _capture_lock:
@@ -520,7 +528,7 @@ class GraphRunner:
             return RunnerGradients(*self._backward_body(e))
         cap.launch(e.backward, stream)
         self.stats["backward_replay"] += 1
-        return self._fresh(e.grad_out)
+        return self._fresh(cap, e.grad_out)
 
     def _abandon(self, e):
         """The first backward ran out of memory (under the pool's lock): drop the entry and,
