@@ -95,8 +95,8 @@ def make_inputs(B, T, P, hd, S, W, seed=0):
     return bank, wi, ww, v, beta, ri, rw, dr
 
 
-def bench_sdm(B, T, P, hd, S, W, C, bw, reps=10, tile=None):
-    gpu.TILE_WIDTH = tile
+def bench_sdm(B, T, P, hd, S, W, C, bw, reps=10, tile=None, threads=256):
+    gpu.TILE_WIDTH, gpu.THREADS = tile, threads
     bank, wi, ww, v, beta, ri, rw, dr = make_inputs(B, T, P, hd, S, W)
     cfg = sdm.SDMConfig(num_memory_slots=S, num_parallel=P, chunk_size=C)
 
@@ -121,29 +121,37 @@ def bench_sdm(B, T, P, hd, S, W, C, bw, reps=10, tile=None):
             tfb.append(cp.cuda.get_elapsed_time(e0, e2) * 1e-3)
         del res
     t_fwd, t_fb = float(np.median(tf)), float(np.median(tfb))
-    pool = cp.get_default_memory_pool()
+    # peak: what the call allocates (a fresh pool's high-water mark: freed blocks stay cached
+    # in it) on top of the arrays that exist before it (bank, inputs, dr)
     cp.cuda.Device().synchronize()
-    pool.free_all_blocks()
-    base = pool.total_bytes()
-    res = fwd()
-    g = sdm.backward(res.saved, dr)
-    cp.cuda.Device().synchronize()
-    peak = pool.total_bytes() - base
+    pool = cp.cuda.MemoryPool()
+    with cp.cuda.using_allocator(pool.malloc):
+        res = fwd()
+        g = sdm.backward(res.saved, dr)
+        cp.cuda.Device().synchronize()
+    held = sum(a.nbytes for a in (bank, wi, ww, v, beta, ri, rw, dr))
+    peak = held + pool.total_bytes()
     del res, g
-    inputs_b = sum(a.nbytes for a in (wi, ww, v, beta, ri, rw, dr))
+    pool.free_all_blocks()
+    # the pre-pass alone (bank-independent part of the forward)
+    lay = sdm._validate.layout(bank, wi, ww, v, beta, ri, rw, cfg)
+    pl = gpu.plan(lay, cfg)
+    t_pre = timeit(lambda: gpu._prepass(lay, pl, np.dtype(np.float32), wi, ww, ri, rw, beta,
+                                        False), reps)
     snaps = B * T * P * W * hd * 2
     grad_bank = B * S * P * hd * 4
     outputs = v.nbytes * 2 + ww.nbytes * 2 + beta.nbytes
     f_fwd, f_fb = floors(B, T, P, hd, S, W, C, wi.get(), ri.get())
-    gpu.TILE_WIDTH = None
+    gpu.TILE_WIDTH, gpu.THREADS = None, 256
     sdm.check_device_errors()
-    return dict(B=B, T=T, P=P, hd=hd, S=S, W=W, C=C, tile=tile or "auto",
+    return dict(B=B, T=T, P=P, hd=hd, S=S, W=W, C=C, tile=tile or "auto", threads=threads,
+                t_prepass_ms=t_pre * 1e3, tile_used=pl.TW,
                 t_fwd_nosnap_ms=t_fwd_ns * 1e3, t_fwd_ms=t_fwd * 1e3, t_fb_ms=t_fb * 1e3,
                 fwd_tok_s=B * T / t_fwd, fb_tok_s=B * T / t_fb,
                 floor_fwd_ms=f_fwd / bw * 1e3, floor_fb_ms=f_fb / bw * 1e3,
                 fwd_over_floor=t_fwd / (f_fwd / bw), fb_over_floor=t_fb / (f_fb / bw),
                 peak_mb=peak / 2 ** 20,
-                need_mb=(inputs_b + snaps + grad_bank + outputs) / 2 ** 20)
+                need_mb=(held + snaps + grad_bank + outputs) / 2 ** 20)
 
 
 def bench_fla(B, T, H, K, reps=10):
@@ -206,14 +214,18 @@ def main():
         r = bench_sdm(**cfg, bw=bw, reps=5 if args.quick else 10)
         r["case"] = tag
         rows.append(r)
-        print(f"{tag:24s} fwd {r['t_fwd_ms']:7.3f} ms ({r['fwd_over_floor']:.2f}x floor)  "
+        print(f"{tag:24s} fwd {r['t_fwd_ms']:7.3f} ms ({r['fwd_over_floor']:.2f}x floor, "
+              f"pre-pass {r['t_prepass_ms']:.3f}, no snapshots {r['t_fwd_nosnap_ms']:.3f})  "
               f"fwd+bwd {r['t_fb_ms']:7.3f} ms ({r['fb_over_floor']:.2f}x)  "
               f"peak {r['peak_mb']:.0f} MB (need {r['need_mb']:.0f})", flush=True)
 
     run("headline")
-    for tile in (16, 32, 64):
+    run("headline threads=512", threads=512)
+    for tile in (32, 64):
         run(f"headline tile={tile}", tile=tile)
+        run(f"headline tile={tile} threads=512", tile=tile, threads=512)
     run("headline W=8", W=8)
+    run("headline W=8 threads=512", W=8, threads=512)
     if not args.quick:
         for S in (4096, 65536, 262144, 1 << 20):
             run(f"S={S}", S=S)
@@ -228,14 +240,16 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_gpu.json"), "w") as f:
         json.dump(out, f, indent=1)
-    lines = ["| case | fwd ms | fwd tok/s | fwd/floor | fwd+bwd ms | fwd+bwd tok/s | fb/floor | "
-             "peak MB | need MB |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| case | tile | fwd ms | pre-pass ms | fwd tok/s | fwd/floor | fwd+bwd ms | "
+             "fwd+bwd tok/s | fb/floor | peak MB | need MB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['case']} | {r['t_fwd_ms']:.3f} | {r['fwd_tok_s']:.3g} | "
+        lines.append(f"| {r['case']} | {r['tile_used']} | {r['t_fwd_ms']:.3f} | "
+                     f"{r['t_prepass_ms']:.3f} | {r['fwd_tok_s']:.3g} | "
                      f"{r['fwd_over_floor']:.2f} | {r['t_fb_ms']:.3f} | {r['fb_tok_s']:.3g} | "
                      f"{r['fb_over_floor']:.2f} | {r['peak_mb']:.0f} | {r['need_mb']:.0f} |")
     if "t_fwd_ms" in fla:
-        lines.append(f"| FLA chunk_delta_rule (H=8, K=V=128) | {fla['t_fwd_ms']:.3f} | "
+        lines.append(f"| FLA chunk_delta_rule (H=8, K=V=128) | - | {fla['t_fwd_ms']:.3f} | - | "
                      f"{fla['fwd_tok_s']:.3g} | - | {fla['t_fb_ms']:.3f} | {fla['fb_tok_s']:.3g} "
                      "| - | - | - |")
     table = "\n".join(lines)

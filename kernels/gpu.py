@@ -15,7 +15,7 @@ Safety: ids outside [0, S) are skipped by every kernel (they never address memor
 recorded in one host-mapped int; ``check_device_errors()`` synchronises and reports it.
 
 Process-wide settings the kernels read (a graph runner keys on ``settings()``):
-``TILE_WIDTH`` (None: automatic) forces the width of the column tiles.
+``TILE_WIDTH`` (None: automatic) forces the width of the column tiles, ``THREADS`` the block size.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from . import _build as K
 __all__ = ["check_config", "sdm_fwd", "sdm_bwd", "expand_memory_batch", "sum_memory_batch",
            "check_device_errors", "settings", "plan"]
 
-THREADS = 256
+THREADS = 256               # threads per block (a multiple of 32, at most 512)
 MAX_ENTRIES = 4096          # write (or read) entries of one chunk: C*W, sorted in shared memory
 TILE_WIDTH = None           # override of the column-tile width (tests and benchmarks)
 
@@ -44,7 +44,7 @@ _ERRORS = {1: "write_idx values must lie in [0, num_memory_slots)",
 
 def settings() -> tuple:
     """The process-wide knobs the kernels read (part of a graph runner's key)."""
-    return (TILE_WIDTH,)
+    return (TILE_WIDTH, THREADS)
 
 
 # ---- the device error word ------------------------------------------------------------------
@@ -127,8 +127,8 @@ def _smem(C, W, TW, N, acc_size, quant):
 
 
 def _tile_width(lay: Layout, N: int, nsm: int) -> int:
-    if TILE_WIDTH is not None:
-        return max(1, min(lay.hd, int(TILE_WIDTH)))
+    if TILE_WIDTH is not None:   # rounded up to whole pieces: tiles start 16-byte aligned
+        return min(lay.hd, -(-max(1, int(TILE_WIDTH)) // N) * N)
     pieces = -(-lay.hd // N)
     ntile = 1
     # enough blocks for two per multiprocessor, while a tile keeps at least 2 pieces

@@ -16,6 +16,7 @@
 
 namespace sdm {
 
+constexpr int SB = 4;   // scatter tasks per thread whose loads are in flight together
 constexpr int B_RUN_HEAD = 1 << 30, B_RUN_BAD = 1 << 29, B_QMASK = (1 << 14) - 1;
 
 template <int N, typename A, typename T, typename ST, int Q>
@@ -51,7 +52,7 @@ __device__ __forceinline__ A dot_rows(const A* x, const A* y, int n) {
 }
 
 template <typename T, typename V, typename A, typename Gt, typename I, int Q, int N>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(512)
 sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restrict__ aw,
                const V* __restrict__ vals, const A* __restrict__ beta,
                const I* __restrict__ ri, const A* __restrict__ cw,
@@ -100,13 +101,16 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
     const int t0 = n * C, L = min(C, T_ - t0), Ne = L * W;
     const long long chunk = (long long)bp * Nt + n;
     const long long tokb = ((long long)b * T_ + t0) * P + p;
+#pragma unroll 4
     for (int i = threadIdx.x; i < L * C; i += blockDim.x) {
       const int r = i / C, c = i % C;
       Ai_s[r * ld + c] = Ainv_g[chunk * C * C + i];
       H_s[r * ld + c] = H_g[chunk * C * C + i];
       G_s[r * ld + c] = G_g[chunk * C * C + i];
     }
+#pragma unroll 4
     for (int i = threadIdx.x; i < 2 * Ne; i += blockDim.x) srt_s[i] = srt_g[chunk * 2 * C * W + i];
+#pragma unroll 4
     for (int i = threadIdx.x; i < Ne; i += blockDim.x) {
       da_s[i] = A(0);
       dc_s[i] = A(0);
@@ -129,10 +133,9 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
     build_lists(G_s, ld, L, C, gr_idx, gr_cnt, false);
 
     // WS threads share a (token, piece) and split its W entries (many loads in flight)
-    const int TP = L * NPC;
     int WS = 1;
-    while (WS < 32 && WS * 2 <= W && TP * WS * 2 <= (int)blockDim.x) WS *= 2;
-    const int total = TP * WS;
+    while (WS < 4 && WS * 2 <= W) WS *= 2;   // fixed, as in the forward
+    const int total = L * NPC * WS;
     // A: rewind, X, D, dr, e0
     for (int base = 0; base < total; base += blockDim.x) {
       const int task = base + threadIdx.x, ws = task % WS, tp = task / WS;
@@ -324,31 +327,49 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
       if (rid_s[i] >= 0) atomic_add(d_cw + off, dc_s[i]);
     }
     for (int t = threadIdx.x; t < L; t += blockDim.x) atomic_add(d_beta + tokb + (long long)t * P, db_s[t]);
-    for (int task = threadIdx.x; task < 2 * Ne * NPC; task += blockDim.x) {
-      const int ps = task / NPC, cc = (task % NPC) * N, nv = min(N, tw - cc);
-      const int code = srt_s[ps];
-      if (!(code & B_RUN_HEAD) || (code & B_RUN_BAD)) continue;
-      const int q = code & B_QMASK;
-      Gt* row = dM_b + (long long)(q < Ne ? wid_s[q] : rid_s[q - Ne]) * D + cc;
-      A g[N];
-      load_piece<N>(g, row, nv, vg);
-      for (int p2 = ps; p2 < 2 * Ne; ++p2) {
-        const int c2 = srt_s[p2];
-        if (p2 > ps && (c2 & B_RUN_HEAD)) break;
-        const int q2 = c2 & B_QMASK;
-        if (q2 < Ne) {
-          const int t2 = q2 / W;
-          const A f = -aw_s[q2] * beta_s[t2];
+    // (SB tasks per thread, their dM row loads issued before any store; distinct rows)
+    for (int base = threadIdx.x; base < 2 * Ne * NPC; base += SB * blockDim.x) {
+      A g[SB][N];
+      Gt* row[SB];
+      int pss[SB], ccs[SB], nvs[SB];
 #pragma unroll
-          for (int i = 0; i < N; ++i) g[i] += f * Z_s[t2 * TWP + cc + i];
-        } else {
-          const int t2 = (q2 - Ne) / W;
-          const A f = cw_s[q2 - Ne];
-#pragma unroll
-          for (int i = 0; i < N; ++i) g[i] += f * R_s[t2 * TWP + cc + i];
+      for (int j = 0; j < SB; ++j) {
+        const int task = base + j * blockDim.x;
+        pss[j] = -1;
+        if (task < 2 * Ne * NPC) {
+          const int ps = task / NPC, code = srt_s[ps];
+          ccs[j] = (task % NPC) * N;
+          nvs[j] = min(N, tw - ccs[j]);
+          if ((code & B_RUN_HEAD) && !(code & B_RUN_BAD)) {
+            const int q = code & B_QMASK;
+            pss[j] = ps;
+            row[j] = dM_b + (long long)(q < Ne ? wid_s[q] : rid_s[q - Ne]) * D + ccs[j];
+            load_piece<N>(g[j], row[j], nvs[j], vg);
+          }
         }
       }
-      store_piece<N>(row, g, nv, vg);
+#pragma unroll
+      for (int j = 0; j < SB; ++j) {
+        if (pss[j] < 0) continue;
+        const int ps = pss[j], cc = ccs[j];
+        for (int p2 = ps; p2 < 2 * Ne; ++p2) {
+          const int c2 = srt_s[p2];
+          if (p2 > ps && (c2 & B_RUN_HEAD)) break;
+          const int q2 = c2 & B_QMASK;
+          if (q2 < Ne) {
+            const int t2 = q2 / W;
+            const A f = -aw_s[q2] * beta_s[t2];
+#pragma unroll
+            for (int i = 0; i < N; ++i) g[j][i] += f * Z_s[t2 * TWP + cc + i];
+          } else {
+            const int t2 = (q2 - Ne) / W;
+            const A f = cw_s[q2 - Ne];
+#pragma unroll
+            for (int i = 0; i < N; ++i) g[j][i] += f * R_s[t2 * TWP + cc + i];
+          }
+        }
+        store_piece<N>(row[j], g[j], nvs[j], vg);
+      }
     }
     __syncthreads();
   }

@@ -120,6 +120,21 @@ __device__ __forceinline__ float dequant1(unsigned char q, float scale) {
 }
 __device__ __forceinline__ float dequant1(signed char q, float scale) { return (float)q * scale; }
 
+// ---- arithmetic that keeps subnormals ------------------------------------------------------
+// CuPy compiles with -ftz=true (cupy/cuda/compiler.py appends it after the caller's options),
+// which would flush float32 subnormals: bfloat16 entries below 2^-126 (and float32 values
+// that round to them) would read as 0. The forward's value path uses these helpers instead:
+// __fmaf_ieee_rn ignores -ftz (fma.rn.f32); a*b as fma(a, b, -0) and a-b as fma(b, -1, a)
+// round exactly like the plain operations, signed zeros included.
+__device__ __forceinline__ float fma_(float a, float b, float c) { return __fmaf_ieee_rn(a, b, c); }
+__device__ __forceinline__ double fma_(double a, double b, double c) { return fma(a, b, c); }
+__device__ __forceinline__ float mul_(float a, float b) { return __fmaf_ieee_rn(a, b, -0.0f); }
+__device__ __forceinline__ double mul_(double a, double b) { return a * b; }
+__device__ __forceinline__ float sub_(float a, float b) { return __fmaf_ieee_rn(b, -1.0f, a); }
+__device__ __forceinline__ double sub_(double a, double b) { return a - b; }
+__device__ __forceinline__ float add_(float a, float b) { return __fmaf_ieee_rn(a, 1.0f, b); }
+__device__ __forceinline__ double add_(double a, double b) { return a + b; }
+
 // ---- small helpers ------------------------------------------------------------------------
 template <typename I>
 __device__ __forceinline__ bool valid_id(I id, long long S) {

@@ -14,10 +14,14 @@
 
 namespace sdm {
 
+// threads splitting a token's W entries: fixed (not from the tile), so that the summation
+// order, hence the readings, do not depend on the tiling or the snapshot mode
+constexpr int WS_MAX = 4;
+constexpr int SB = 4;   // scatter tasks per thread whose loads are in flight together
 constexpr int F_RUN_HEAD = 1 << 30, F_RUN_BAD = 1 << 29, F_QMASK = (1 << 14) - 1;
 
 template <typename T, typename V, typename A, typename I, int Q, int N>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(512)
 sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restrict__ aw,
                const V* __restrict__ vals, const A* __restrict__ beta,
                const I* __restrict__ ri, const A* __restrict__ cw,
@@ -56,11 +60,13 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
     const int t0 = n * C, L = min(C, T_ - t0), Ne = L * W;
     const long long chunk = (long long)bp * Nt + n;
     const long long tokb = ((long long)b * T_ + t0) * P + p;     // [B, T, P] row of token t0
+#pragma unroll 4
     for (int i = threadIdx.x; i < L * C; i += blockDim.x) {
       const int r = i / C, c = i % C;
       Ai_s[r * ld + c] = Ainv_g[chunk * C * C + i];
       H_s[r * ld + c] = H_g[chunk * C * C + i];
     }
+#pragma unroll 4
     for (int i = threadIdx.x; i < 2 * Ne; i += blockDim.x) {
       const int code = srt_g[chunk * 2 * C * W + i];
       srt_s[i] = code;
@@ -68,6 +74,7 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
       if (q < Ne) pos_s[q] = i;
     }
     for (int t = threadIdx.x; t < L; t += blockDim.x) beta_s[t] = beta[tokb + (long long)t * P];
+#pragma unroll 4
     for (int i = threadIdx.x; i < Ne; i += blockDim.x) {
       const long long off = (tokb + (long long)(i / W) * P) * W + i % W;
       const I iw = wi[off], ir = ri[off];
@@ -89,7 +96,7 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
     {
       const int TP = L * NPC;
       int WS = 1;
-      while (WS < 32 && WS * 2 <= W && TP * WS * 2 <= (int)blockDim.x) WS *= 2;
+      while (WS < WS_MAX && WS * 2 <= W) WS *= 2;
       const int total = TP * WS;
       for (int base = 0; base < total; base += blockDim.x) {
         const int task = base + threadIdx.x, ws = task % WS, tp = task / WS;
@@ -112,7 +119,7 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
             }
             const A a = aw_s[t * W + w];
 #pragma unroll
-            for (int i = 0; i < N; ++i) x[i] += a * to_acc(m[i], A());
+            for (int i = 0; i < N; ++i) x[i] = fma_(a, to_acc(m[i], A()), x[i]);
             if (save) {
               if constexpr (Q == 0) {
                 store_raw<N>(snap + off * hd + c0 + cc, m, nv, vs);
@@ -137,14 +144,14 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
             load_piece<N>(m, bank_b + (long long)id * D + cc, nv, vb);
             const A c = cw_s[t * W + w];
 #pragma unroll
-            for (int i = 0; i < N; ++i) y[i] += c * m[i];
+            for (int i = 0; i < N; ++i) y[i] = fma_(c, m[i], y[i]);
           }
         }
         for (int o = 1; o < WS; o <<= 1) {
 #pragma unroll
           for (int i = 0; i < N; ++i) {
-            x[i] += __shfl_xor_sync(0xffffffffu, x[i], o);
-            y[i] += __shfl_xor_sync(0xffffffffu, y[i], o);
+            x[i] = add_(x[i], __shfl_xor_sync(0xffffffffu, x[i], o));
+            y[i] = add_(y[i], __shfl_xor_sync(0xffffffffu, y[i], o));
           }
         }
         if (act && ws == 0) {
@@ -186,7 +193,7 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
       load_piece<N>(v, vals + ((long long)b * T_ + t0 + t) * D + p * hd + c0 + cc, nv, vv);
       const A bt = beta_s[t];
 #pragma unroll
-      for (int i = 0; i < N; ++i) X_s[t * TWP + cc + i] = bt * (v[i] - X_s[t * TWP + cc + i]);
+      for (int i = 0; i < N; ++i) X_s[t * TWP + cc + i] = mul_(bt, sub_(v[i], X_s[t * TWP + cc + i]));
     }
     __syncthreads();
     // u = Ainv w0
@@ -199,7 +206,7 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
         const int tau = a_idx[t * C + k];
         const A g = Ai_s[t * ld + tau];
 #pragma unroll
-        for (int i = 0; i < N; ++i) u[i] += g * X_s[tau * TWP + cc + i];
+        for (int i = 0; i < N; ++i) u[i] = fma_(g, X_s[tau * TWP + cc + i], u[i]);
       }
 #pragma unroll
       for (int i = 0; i < N; ++i) U_s[t * TWP + cc + i] = u[i];
@@ -215,29 +222,47 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
         const int tau = h_idx[t * C + k];
         const A h = H_s[t * ld + tau];
 #pragma unroll
-        for (int i = 0; i < N; ++i) r[i] += h * U_s[tau * TWP + cc + i];
+        for (int i = 0; i < N; ++i) r[i] = fma_(h, U_s[tau * TWP + cc + i], r[i]);
       }
       store_piece<N>(out + ((long long)b * T_ + t0 + t) * D + p * hd + c0 + cc, r, nv, vo);
     }
-    // scatter: the run head of each written slot rewrites the row once
-    for (int task = threadIdx.x; task < Ne * NPC; task += blockDim.x) {
-      const int e = task / NPC, cc = (task % NPC) * N, nv = min(N, tw - cc);
-      const int ps = pos_s[e], code = srt_s[ps];
-      if (!(code & F_RUN_HEAD) || (code & F_RUN_BAD)) continue;
-      T* row = bank_b + (long long)wid_s[e] * D + cc;
-      A m[N];
-      load_piece<N>(m, row, nv, vb);
-      for (int p2 = ps; p2 < 2 * Ne; ++p2) {
-        const int code2 = srt_s[p2];
-        if (p2 > ps && (code2 & F_RUN_HEAD)) break;
-        const int q2 = code2 & F_QMASK;
-        if (q2 >= Ne) break;                      // the slot's reads follow its writes
-        const int t2 = q2 / W;
-        const A a2 = aw_s[q2];
+    // scatter: the run head of each written slot rewrites the row once. A thread takes SB
+    // tasks at a time and issues their row loads before any store (distinct rows: no alias).
+    for (int base = threadIdx.x; base < Ne * NPC; base += SB * blockDim.x) {
+      A m[SB][N];
+      T* row[SB];
+      int pss[SB], ccs[SB], nvs[SB];
 #pragma unroll
-        for (int i = 0; i < N; ++i) m[i] += a2 * U_s[t2 * TWP + cc + i];
+      for (int j = 0; j < SB; ++j) {
+        const int task = base + j * blockDim.x;
+        pss[j] = -1;
+        if (task < Ne * NPC) {
+          const int e = task / NPC, ps = pos_s[e], code = srt_s[ps];
+          ccs[j] = (task % NPC) * N;
+          nvs[j] = min(N, tw - ccs[j]);
+          if ((code & F_RUN_HEAD) && !(code & F_RUN_BAD)) {
+            pss[j] = ps;
+            row[j] = bank_b + (long long)wid_s[e] * D + ccs[j];
+            load_piece<N>(m[j], row[j], nvs[j], vb);
+          }
+        }
       }
-      store_piece<N>(row, m, nv, vb);
+#pragma unroll
+      for (int j = 0; j < SB; ++j) {
+        if (pss[j] < 0) continue;
+        const int ps = pss[j], cc = ccs[j];
+        for (int p2 = ps; p2 < 2 * Ne; ++p2) {
+          const int code2 = srt_s[p2];
+          if (p2 > ps && (code2 & F_RUN_HEAD)) break;
+          const int q2 = code2 & F_QMASK;
+          if (q2 >= Ne) break;                    // the slot's reads follow its writes
+          const int t2 = q2 / W;
+          const A a2 = aw_s[q2];
+#pragma unroll
+          for (int i = 0; i < N; ++i) m[j][i] = fma_(a2, U_s[t2 * TWP + cc + i], m[j][i]);
+        }
+        store_piece<N>(row[j], m[j], nvs[j], vb);
+      }
     }
     __syncthreads();
   }
