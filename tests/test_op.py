@@ -238,7 +238,8 @@ def test_chunk_size_invariance_float32(xp, rng):
 LOWP_RTOL = {np.dtype(np.float16): 1.2e-3, BF16: 1e-2}
 
 
-@pytest.mark.parametrize("grad_bank_fp32", [True, False], ids=["grad-bank-fp32", "grad-bank-native"])
+@pytest.mark.parametrize("grad_bank_fp32", [True, False],
+                         ids=["grad-bank-fp32", "grad-bank-native"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_low_precision_bank_and_values(xp, rng, dtype, grad_bank_fp32):
     dt = BF16 if dtype == "bfloat16" else np.dtype(np.float16)
