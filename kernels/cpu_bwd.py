@@ -68,7 +68,7 @@ def _bwd_head(bp, bank, fmt, wi, a, v, beta, ri, c, dr, dM, S, P, hd, C, mode, s
         substitute(v, beta, b, p, t0, T, L, c0, hd, X, G, gcols, gcnt, E, U)
         # 2. du = H^T dr + k·dM (dM as at the chunk's end), into Z
         for t in range(L):
-            prefetch_token_rows(dM, wi, b, t0 + t + PREFETCH_TOKENS, p, W, S, row0, c0, hd, 1)
+            prefetch_token_rows(dM, wi, b, t0 + t + PREFETCH_TOKENS, p, W, S, row0, c0, hd, 0)
             for k in range(hd):
                 Z[t, k] = 0
             for w in range(W):

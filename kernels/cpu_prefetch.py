@@ -12,10 +12,15 @@ only ids inside [0, S), like every other access of the kernels.
 
 from __future__ import annotations
 
+import llvmlite.binding as llvm
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+# The intrinsic's name carries the pointer type: opaque pointers ("p0") from LLVM 17 on (the
+# llvmlite of numba >= 0.67 is built on LLVM 20), typed i8* pointers before.
+_PREFETCH_NAME = "llvm.prefetch.p0" if llvm.llvm_version_info[0] >= 17 else "llvm.prefetch.p0i8"
 
 #: tokens ahead of the one being processed (1-2 measured best; more loses rows to eviction)
 PREFETCH_TOKENS = 2
@@ -39,7 +44,7 @@ def _prefetch(typingctx, arr, row, col, write):
         i8p = ir.IntType(8).as_pointer()
         i32 = ir.IntType(32)
         fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        fn = cgutils.get_or_insert_function(builder.module, fnty, _PREFETCH_NAME)
         # (address, rw, locality 3 = keep in all levels, cache type 1 = data)
         builder.call(fn, [builder.bitcast(ptr, i8p), i32(rw), i32(3), i32(1)])
         return context.get_dummy_value()
