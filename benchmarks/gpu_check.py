@@ -50,7 +50,11 @@ def main():
            "--tb=short", *args.tests.split(), *args.pytest_args.split()]
     t = time.time()
     with open(os.path.join(out, "pytest_gpu.log"), "w") as log:
-        rc = subprocess.call(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=int(os.environ.get('PYTEST_TIMEOUT', '300')))
+        try:
+            rc = subprocess.call(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                 timeout=int(os.environ.get("PYTEST_TIMEOUT", "300")))
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
     text = open(os.path.join(out, "pytest_gpu.log")).read()
     fails = [l for l in text.splitlines() if l.startswith(("FAILED", "ERROR"))]
     print("\n".join(fails[:40]))
