@@ -26,12 +26,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import sys
 import time
 
-import numpy as np
+# The model's matrices are tiny (tens of rows): a multi-threaded BLAS only adds its threads'
+# spinning to the op's own (Numba) threads. Seen with NumPy 2.4's OpenBLAS on a loaded 2-core
+# machine: 100 steps took 32 s with the default BLAS threads and 4.8 s with one. Must be set
+# before NumPy loads its BLAS; an explicit setting by the user wins.
+for _var in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
 
-import sdm_cupy as sdm
+import numpy as np  # noqa: E402
+
+import sdm_cupy as sdm  # noqa: E402
 
 
 @dataclasses.dataclass
