@@ -147,7 +147,7 @@ def main():
     ap.add_argument("--S", type=int, default=4096)
     ap.add_argument("--W", type=int, default=8)
     ap.add_argument("--C", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--numpy-repeats", type=int, default=3)
     ap.add_argument("--write-results", action="store_true",
                     help="append the table to benchmarks/RESULTS.md")
@@ -178,28 +178,28 @@ def main():
                   for x, y in zip((g.bank, g.write_w, g.values, g.beta, g.read_w), g_np))
 
     copy = lambda: bank0.copy()  # noqa: E731 - fresh bank per repeat, outside the timing
-    t_nb_f, _ = median_time(lambda m: sdm.forward(m, wi, a, v, beta, ri, c, cfg,
+    t_nb_f, ts_nb_f = median_time(lambda m: sdm.forward(m, wi, a, v, beta, ri, c, cfg,
                                                   needs_backward=False, inplace=True),
                             args.repeats, copy)
 
     def nb_fb(m):
         rs = sdm.forward(m, wi, a, v, beta, ri, c, cfg, needs_backward=True, inplace=True)
         sdm.backward(rs.saved, dr)
-    t_nb_fb, _ = median_time(nb_fb, args.repeats, copy)
+    t_nb_fb, ts_nb_fb = median_time(nb_fb, args.repeats, copy)
     nthreads = numba.get_num_threads()
     numba.set_num_threads(1)                 # the same kernels on one core, like NumPy's
-    t_nb1_f, _ = median_time(lambda m: sdm.forward(m, wi, a, v, beta, ri, c, cfg,
+    t_nb1_f, ts_nb1_f = median_time(lambda m: sdm.forward(m, wi, a, v, beta, ri, c, cfg,
                                                    needs_backward=False, inplace=True),
                              args.repeats, copy)
-    t_nb1_fb, _ = median_time(nb_fb, args.repeats, copy)
+    t_nb1_fb, ts_nb1_fb = median_time(nb_fb, args.repeats, copy)
     numba.set_num_threads(nthreads)
-    t_np_f, _ = median_time(lambda m: numpy_forward(m, wi, a, v, beta, ri, c, S, P),
+    t_np_f, ts_np_f = median_time(lambda m: numpy_forward(m, wi, a, v, beta, ri, c, S, P),
                             args.numpy_repeats, copy)
 
     def np_fb(m):
         _, h = numpy_forward(m, wi, a, v, beta, ri, c, S, P, keep_history=True)
         numpy_backward(m, h, wi, a, v, beta, ri, c, S, P, dr)
-    t_np_fb, _ = median_time(np_fb, args.numpy_repeats, copy)
+    t_np_fb, ts_np_fb = median_time(np_fb, args.numpy_repeats, copy)
 
     bw = memcpy_bandwidth()
     floor_f = byte_floor(B, T, P, hd, S, W, wi, ri) / bw
@@ -208,24 +208,26 @@ def main():
     load_end = os.getloadavg()[0]
     nb = f"numba ({nthreads} threads)"
     rows = [
-        ("forward", nb, t_nb_f, floor_f), ("forward", "numba (1 thread)", t_nb1_f, floor_f),
-        ("forward", "numpy", t_np_f, floor_f),
-        ("forward+backward", nb, t_nb_fb, floor_fb),
-        ("forward+backward", "numba (1 thread)", t_nb1_fb, floor_fb),
-        ("forward+backward", "numpy", t_np_fb, floor_fb),
+        ("forward", nb, t_nb_f, ts_nb_f, floor_f),
+        ("forward", "numba (1 thread)", t_nb1_f, ts_nb1_f, floor_f),
+        ("forward", "numpy", t_np_f, ts_np_f, floor_f),
+        ("forward+backward", nb, t_nb_fb, ts_nb_fb, floor_fb),
+        ("forward+backward", "numba (1 thread)", t_nb1_fb, ts_nb1_fb, floor_fb),
+        ("forward+backward", "numpy", t_np_fb, ts_np_fb, floor_fb),
     ]
     lines = [
         f"B={B} T={T} P={P} hd={hd} S={S} W={W} C={C}, float32, {os.cpu_count()} CPUs, "
         f"memcpy {bw / 1e9:.1f} GB/s (read+write), 1-min load average {load_start:.1f} at "
         f"start / {load_end:.1f} at end (other processes share these CPUs when > ~0)",
         "",
-        "| pass | impl | median ms | tokens/s | byte floor ms | time/floor | speed-up vs numpy |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| pass | impl | median ms | min ms | tokens/s (median) | byte floor ms | median/floor "
+        "| speed-up vs numpy (median) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     ref = {"forward": t_np_f, "forward+backward": t_np_fb}
-    for name, impl, t, fl in rows:
-        lines.append(f"| {name} | {impl} | {t * 1e3:.2f} | {tok / t:,.0f} | {fl * 1e3:.3f} | "
-                     f"{t / fl:.1f} | {ref[name] / t:.1f}x |")
+    for name, impl, t, ts, fl in rows:
+        lines.append(f"| {name} | {impl} | {t * 1e3:.2f} | {min(ts) * 1e3:.2f} | {tok / t:,.0f} | "
+                     f"{fl * 1e3:.3f} | {t / fl:.1f} | {ref[name] / t:.1f}x |")
     lines += ["", f"numba vs numpy max relative difference: forward {fwd_err:.1e}, "
                   f"gradients {bwd_err:.1e}"]
     table = "\n".join(lines)
