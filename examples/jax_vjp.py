@@ -1,8 +1,9 @@
 """The SDM op under ``jax.custom_vjp``, checked against ``jax.grad`` of a JAX recurrence.
 
-Forward and backward are ``jax.experimental.buffer_callback`` calls (jaxlib >= 0.7; it has no
-autodiff of its own, hence the ``custom_vjp``). XLA hands the callback its buffers: the inputs
-(read-only) and the outputs, which the callback fills in place. ``sdm.from_dlpack`` views them
+Forward and backward are ``jax.experimental.buffer_callback`` calls (experimental in JAX;
+checked with jax 0.10.2; it has no autodiff of its own, hence the ``custom_vjp``). XLA hands
+the callback its buffers: the inputs (read-only) and the outputs, which the callback fills in
+place. ``sdm.from_dlpack`` views them
 without a copy — NumPy on the CPU, CuPy on the GPU, bfloat16 included — and on the GPU the op
 runs on XLA's own stream (``ctx.stream``, through ``cupy.cuda.ExternalStream``), so the data
 never goes through the host. The only copies are the op's results into XLA's output buffers

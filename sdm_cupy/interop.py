@@ -44,10 +44,13 @@ flag: a CuPy view of a JAX buffer is writable and writing it is undefined behavi
 Never pass a view of a JAX array as a buffer that is written (``inplace=True``'s bank, or any
 output). On the CPU, ``from_dlpack`` marks NumPy views of JAX arrays read-only so that such a
 write fails loudly (the output ``Buffer`` objects of ``jax.experimental.buffer_callback`` say
-``writeable=True`` and stay writable: they are meant to be written). JAX takes a CPU buffer without a copy only if its address is 64-byte
-aligned (jaxlib 0.10; NumPy guarantees 16): ``jax.dlpack.from_dlpack(y, copy=False)`` raises
-instead of copying silently. float64 needs ``jax.config.update("jax_enable_x64", True)``;
-without it JAX converts float64 imports to float32 (a copy).
+``writeable=True`` and stay writable: they are meant to be written).
+
+JAX takes a CPU buffer without a copy only if its address is 64-byte aligned (jaxlib 0.10;
+NumPy's default allocations are only 16-byte aligned): it copies otherwise, and
+``jax.dlpack.from_dlpack(y, copy=False)`` raises instead of copying silently. float64 needs
+``jax.config.update("jax_enable_x64", True)``; without it JAX converts float64 imports to
+float32 (a copy).
 """
 
 from __future__ import annotations
