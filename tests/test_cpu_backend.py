@@ -123,6 +123,23 @@ def test_bitwise_deterministic_across_calls(rng, dtype):
         assert np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8)), name
 
 
+def test_results_do_not_depend_on_the_thread_count(rng):
+    import numba
+    pb = make_problem(rng, B=2, T=40, P=3, hd=16, S=30, W=4, dtype=np.float32)
+    dr = rng.normal(size=(pb.B, pb.T, pb.P * pb.hd)).astype(np.float32)
+    n = numba.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, n):
+            numba.set_num_threads(threads)
+            _, readings, final, g = run_fwd_bwd(pb, cfg_for(pb, C=8), dr)
+            outs.append((readings, final, g.bank, g.write_w, g.read_w, g.beta, g.values))
+    finally:
+        numba.set_num_threads(n)
+    for x, y in zip(*outs):
+        assert np.array_equal(x, y)
+
+
 @pytest.mark.parametrize("case", [
     dict(B=1, T=5, P=3, hd=60, S=50, W=4, C=2, id="hd60"),
     dict(B=2, T=9, P=2, hd=8, S=1, W=3, C=4, id="S1"),
