@@ -17,6 +17,7 @@ import argparse
 import datetime
 import os
 import subprocess
+import sys
 import time
 
 import numba
@@ -238,7 +239,7 @@ def main():
             with open(path, "w") as f:
                 f.write("# Benchmark results\n\nSections are appended by the benchmark scripts "
                         "(`--write-results`); newest last.\n")
-        cmd = "python benchmarks/bench_cpu.py --write-results"
+        cmd = "python benchmarks/bench_cpu.py " + " ".join(sys.argv[1:])
         with open(path, "a") as f:
             f.write(f"\n## CPU (Numba) vs NumPy recurrence, {datetime.date.today().isoformat()}\n\n"
                     f"- git commit: {git_commit()}\n- machine: CI-like 2-core CPU\n"
