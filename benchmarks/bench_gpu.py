@@ -221,10 +221,10 @@ def main():
 
     run("headline")
     run("headline threads=512", threads=512)
-    run("headline tile=32 threads=512", tile=32, threads=512)
     run("headline W=8", W=8)
-    run("headline W=8 threads=512", W=8, threads=512)
     if not args.quick:
+        run("headline tile=32 threads=512", tile=32, threads=512)
+        run("headline W=8 threads=512", W=8, threads=512)
         for tile in (32, 64):
             run(f"headline tile={tile}", tile=tile)
         for S in (4096, 65536, 262144, 1 << 20):

@@ -48,6 +48,8 @@ def main():
     warm(["prepass", "batch", "fwd", "bwd"])
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
            "--tb=short", *args.tests.split(), *args.pytest_args.split()]
+    if os.environ.get("PYTEST_K"):
+        cmd += ["-k", os.environ["PYTEST_K"]]
     t = time.time()
     with open(os.path.join(out, "pytest_gpu.log"), "w") as log:
         try:
