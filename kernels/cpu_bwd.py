@@ -24,7 +24,7 @@ def _bwd_head(bp, bank, fmt, wi, a, v, beta, ri, c, dr, dM, S, P, hd, C, mode, s
     wslot, wa, rslot, rc, R, X, E, U = scratch(Lmax, W, hd, dt)
     Z = np.empty((Lmax, hd), dt)
     DR = np.empty((Lmax * W, hd), dt)
-    hkey, hhead, htail, enext, used = hash_scratch(Lmax * W)
+    hkey, hhead, htail, enext, used = hash_scratch(Lmax * W, S, T * W)
     G, gmark, gcols, gcnt, H, hmark, hcols, hcnt = overlap_scratch(Lmax, dt)
     dG = np.empty((Lmax, Lmax), dt)
     dH = np.empty((Lmax, Lmax), dt)

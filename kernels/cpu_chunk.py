@@ -6,8 +6,9 @@ for one chunk of L tokens starting at t0. Entry e = t*W + w of a chunk is the ad
 and ``rc[e]``. An id outside [0, S) becomes slot -1 with weight 0: it matches nothing, is never
 gathered or scattered, and is counted.
 
-Overlaps (G, H) come from a small open-addressing hash of the chunk's write slots: each slot
-met gets a bucket (``hkey``) holding the chain of its write entries in increasing e (so in
+Overlaps (G, H) come from a table of the chunk's write slots (a direct slot-indexed table when
+the call touches many slots, else a small open-addressing hash): each slot met gets a bucket
+(``hkey``) holding the chain of its write entries in increasing e (so in
 token order: ``hhead``, ``enext``); ``used`` lists the buckets in first-seen order. G pairs up
 the entries of each chain and a read entry finds its chain by one probe, so the cost is the
 number of matching pairs, not C²W². G and H are dense L×L matrices plus, per row, the list of
@@ -29,7 +30,13 @@ _HASH_MUL = 0x9E3779B1          # odd 32-bit multiplier (Knuth); slot ids are < 
 
 
 @njit(cache=True)
-def hash_size(n):
+def hash_size(n, S, touches):
+    """Size of the slot table. When the call touches about as many addresses as there are slots
+    (``touches`` >= S/2), a direct table indexed by the slot itself (no hashing, no probing);
+    its size is S or S+1, chosen not to be a power of two. Else a power-of-two open-addressing
+    hash of >= 2n buckets (n = entries per chunk), so a call never pays O(S) for few ids."""
+    if 2 * touches >= S:
+        return S if (S & (S - 1)) != 0 else S + 1
     size = 16
     while size < 2 * n:
         size *= 2
@@ -37,22 +44,25 @@ def hash_size(n):
 
 
 @njit(cache=True)
-def _bucket0(s, mask):
-    return ((s * _HASH_MUL) >> 15) & mask
+def _bucket0(s, size):
+    if (size & (size - 1)) != 0:         # direct table
+        return s
+    return ((s * _HASH_MUL) >> 15) & (size - 1)
 
 
 @njit(cache=True)
 def hash_build(wslot, n, hkey, hhead, htail, enext, used):
     """Chains the valid write entries by slot; returns the number of buckets used.
     ``hkey`` must be all -1 on entry (``hash_clear`` restores that)."""
-    mask = hkey.shape[0] - 1
+    size = hkey.shape[0]
+    mask = size - 1                      # probing only happens in the power-of-two hash
     nused = 0
     for e in range(n):
         enext[e] = -1
         s = wslot[e]
         if s < 0:
             continue
-        h = _bucket0(s, mask)
+        h = _bucket0(s, size)
         while True:
             k = hkey[h]
             if k == s:
@@ -73,8 +83,9 @@ def hash_build(wslot, n, hkey, hhead, htail, enext, used):
 @njit(cache=True)
 def hash_find(hkey, s):
     """The bucket of slot s, -1 when the chunk writes no such slot."""
-    mask = hkey.shape[0] - 1
-    h = _bucket0(s, mask)
+    size = hkey.shape[0]
+    mask = size - 1
+    h = _bucket0(s, size)
     while True:
         k = hkey[h]
         if k == s:
@@ -318,8 +329,8 @@ def scratch(Lmax, W, hd, dt):
 
 
 @njit(cache=True)
-def hash_scratch(n):
-    size = hash_size(n)
+def hash_scratch(n, S, touches):
+    size = hash_size(n, S, touches)
     return (np.full(size, -1, np.int64), np.empty(size, np.int64), np.empty(size, np.int64),
             np.empty(n, np.int64), np.empty(n, np.int64))
 

@@ -22,7 +22,7 @@ def _fwd_head(bp, bank, fmt, wi, a, v, beta, ri, c, r, S, P, hd, C, mode, snap_n
     dt = a.dtype
     wslot, wa, rslot, rc, R, X, E, U = scratch(Lmax, W, hd, dt)
     Y = np.empty((Lmax, hd), dt)
-    hkey, hhead, htail, enext, used = hash_scratch(Lmax * W)
+    hkey, hhead, htail, enext, used = hash_scratch(Lmax * W, S, T * W)
     G, gmark, gcols, gcnt, H, hmark, hcols, hcnt = overlap_scratch(Lmax, dt)
     no_dc = np.empty(0, dt)
     acc = np.empty((1, hd), dt)

@@ -173,6 +173,22 @@ def test_large_S(rng):
     assert np.array_equal(res.bank, pb.bank)
 
 
+@pytest.mark.parametrize("S,T,W", [(1, 6, 2), (2, 9, 3), (7, 5, 2), (64, 30, 4),
+                                   (4096, 6, 2), (2 ** 17, 8, 3)],
+                         ids=["S1", "S2", "S7", "S64_direct", "S4096_hash", "S2^17_hash"])
+def test_slot_table_modes(rng, S, T, W):
+    """Both overlap tables: direct (slot-indexed, when the call touches >= S/2 addresses) and
+    hashed, with power-of-two and other S, ids crowded onto few slots."""
+    assert (2 * T * W >= S) == (S in (1, 2, 7, 64))
+    pb = make_problem(rng, B=2, T=T, P=2, hd=4, S=S, W=W)
+    pool = rng.integers(0, S, size=3)
+    pb.write_idx[:, ::2] = rng.choice(pool, size=pb.write_idx[:, ::2].shape)
+    pb.read_idx[:, 1::2] = rng.choice(pool, size=pb.read_idx[:, 1::2].shape)
+    pb.beta /= W
+    res = assert_matches_reference(pb, cfg_for(pb, C=4), rng)
+    assert np.array_equal(res.bank, pb.bank)
+
+
 def test_chunk_cap_splits_long_chunks(rng):
     T = cpu.CHUNK_CAP + 30
     pb = make_problem(rng, B=1, T=T, P=1, hd=4, S=12, W=2)
