@@ -47,7 +47,7 @@ def _bwd_head(bp, bank, fmt, wi, a, v, beta, ri, c, dr, dM, S, P, hd, C, mode, s
             t, w = e // W, e % W
             if w == 0:
                 prefetch_token_rows(bank, wi, b, t0 + t + PREFETCH_TOKENS, p, W, S, row0, c0,
-                                    hd, 1)
+                                    hd, 0)
             s = wi[b, t0 + t, p, w]
             if s < 0 or s >= S:
                 continue
