@@ -122,7 +122,7 @@ def byte_floor(B, T, P, hd, S, W, wi, ri, itemsize=4, idx_size=4, backward=False
     for idx in (wi, ri):
         touched.update(np.unique(((bI * P + pI) * S + idx).ravel()).tolist())
     bwd = (inputs + B * T * D * itemsize                              # inputs, dr
-           + rows + rows + rows                                       # snapshots, rewind, read rows
+           + rows + rows + rows                                  # snapshots, rewind, read rows
            + 2 * len(touched) * hd * itemsize                         # grad-bank rows r+w
            + B * S * D * itemsize                                     # grad bank zeroed
            + 2 * n * itemsize + B * T * D * itemsize + B * T * P * itemsize)  # gradients
@@ -241,7 +241,8 @@ def main():
                         "(`--write-results`); newest last.\n")
         cmd = "python benchmarks/bench_cpu.py " + " ".join(sys.argv[1:])
         with open(path, "a") as f:
-            f.write(f"\n## CPU (Numba) vs NumPy recurrence, {datetime.date.today().isoformat()}\n\n"
+            day = datetime.date.today().isoformat()
+            f.write(f"\n## CPU (Numba) vs NumPy recurrence, {day}\n\n"
                     f"- git commit: {git_commit()}\n- machine: CI-like 2-core CPU\n"
                     f"- command: `{cmd}`\n\n{table}\n")
 

@@ -2,10 +2,10 @@
 
 Kernels and the SPEC steps they implement
 -----------------------------------------
-``sdm_fwd_kernel`` (``cpu_fwd``, SPEC §3), ``prange`` over the B·P (batch, head) pairs; one worker owns the
-S×hd block of its head (bank columns p*hd:(p+1)*hd, rows b*S:(b+1)*S) and walks the chunks in
-order, so its scatters need no atomics. Per chunk of L <= C tokens starting at t0 (n = L·W
-entries; the helpers live in ``cpu_chunk``):
+``sdm_fwd_kernel`` (``cpu_fwd``, SPEC §3), ``prange`` over blocks of the B·P (batch, head)
+pairs; the worker of a head owns its S×hd block (bank columns p*hd:(p+1)*hd, rows
+b*S:(b+1)*S) and walks the chunks in order, so its scatters need no atomics. Per chunk of
+L <= C tokens starting at t0 (n = L·W entries; the helpers live in ``cpu_chunk``):
 
 1. ``gather_writes``: reads a, i and each row M0[i_{t,w}] once into ``R`` (n rows of hd, compute
    dtype) and forms X_t = k_t·M0 in the same pass. Those rows are the snapshot, stored per
@@ -62,6 +62,7 @@ from __future__ import annotations
 import threading
 
 import ml_dtypes
+import numba
 import numpy as np
 
 from .cpu_bwd import sdm_bwd_kernel
@@ -76,7 +77,8 @@ CHUNK_CAP = 256
 
 _LOCK = threading.Lock()
 _BF16 = np.dtype(ml_dtypes.bfloat16)
-_SNAP_VIEW = {"bf16": _BF16, "fp8_e4m3": np.dtype(ml_dtypes.float8_e4m3fn), "int8": np.dtype(np.int8)}
+_SNAP_VIEW = {"bf16": _BF16, "fp8_e4m3": np.dtype(ml_dtypes.float8_e4m3fn),
+              "int8": np.dtype(np.int8)}
 
 
 # ------------------------------------------------------------------------------- host side
@@ -88,6 +90,12 @@ def _storage(x):
     if x.dtype == _BF16:
         return x.view(np.uint16), FMT_BF16
     return x, FMT_NATIVE
+
+
+def _blocks(heads: int) -> int:
+    """Blocks of heads for the prange: a few per thread (balance) but not one per head (each
+    block allocates its scratch once: decode calls have many heads and little work each)."""
+    return max(1, min(heads, 4 * numba.get_num_threads()))
 
 
 def _chunk(lay) -> int:
@@ -172,7 +180,7 @@ def sdm_fwd(lay, config, bank, write_idx, write_w, values, beta, read_idx, read_
     with _LOCK:
         sdm_fwd_kernel(bank_k, fmt, wi, a, v.reshape(B * T, lay.D), be, ri, c,
                        r.reshape(B * T, lay.D), S, P, hd, _chunk(lay), mode, nat, u16, u8, sc,
-                       bad)
+                       bad, _blocks(B * P))
     if bad.any():
         _raise_bad_ids(bad, lay, wi, ri)
     readings = r if r.dtype == lay.value_dtype else r.astype(lay.value_dtype)
@@ -204,7 +212,7 @@ def sdm_bwd(lay, config, bank, inputs, snapshots, dr, dM):
     with _LOCK:
         sdm_bwd_kernel(bank_k, fmt, wi, a, v.reshape(B * T, lay.D), be, ri, c,
                        drk.reshape(B * T, lay.D), dMk, S, P, hd, _chunk(lay), mode, nat, u16,
-                       u8, sc, da, dv.reshape(B * T, lay.D), dbeta, dc, bad)
+                       u8, sc, da, dv.reshape(B * T, lay.D), dbeta, dc, bad, _blocks(B * P))
     if bad.any():
         _raise_bad_ids(bad, lay, wi, ri)
     d_bank = dMk if dMk.dtype == lay.grad_bank_dtype else dMk.astype(lay.grad_bank_dtype)

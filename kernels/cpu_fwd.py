@@ -13,11 +13,9 @@ from .cpu_formats import FMT_NATIVE, SNAP_EXACT, SNAP_OFF, quantize_row, store_r
 
 
 @njit(cache=True)
-def _fwd_head(bp, bank, fmt, wi, a, v, beta, ri, c, r, S, P, hd, C, mode, snap_nat, snap_u16,
-              snap_u8, scales, bad):
+def _fwd_heads(bp0, bp1, bank, fmt, wi, a, v, beta, ri, c, r, S, P, hd, C, mode, snap_nat,
+               snap_u16, snap_u8, scales, bad):
     B, T, _, W = wi.shape
-    b, p = bp // P, bp % P
-    row0, c0 = b * S, p * hd
     Lmax = min(C, T)
     dt = a.dtype
     wslot, wa, rslot, rc, R, X, E, U = scratch(Lmax, W, hd, dt)
@@ -29,76 +27,80 @@ def _fwd_head(bp, bank, fmt, wi, a, v, beta, ri, c, r, S, P, hd, C, mode, snap_n
     u32 = np.empty(hd, np.uint32)
     f32v = u32.view(np.float32)
     cv = (u32, f32v)
-    badw = 0
-    badr = 0
-    for t0 in range(0, T, C):
-        L = min(C, T - t0)
-        n = L * W
-        # 1. write entries, M0 rows (R), X = k·M0, snapshots
-        badw += gather_writes(wi, a, bank, fmt, b, p, t0, L, W, S, row0, c0, hd, wslot, wa,
-                              R, X, cv)
-        if mode != SNAP_OFF:
-            for e in range(n):
-                srow = snapshot_row(b, p, t0 + e // W, e % W, P, T, W)
-                s = wslot[e]
-                if mode == SNAP_EXACT:
-                    if s >= 0:
-                        for k in range(hd):
-                            snap_nat[srow, k] = bank[row0 + s, c0 + k]
+    for bp in range(bp0, bp1):        # scratch is allocated once per block of heads
+        b, p = bp // P, bp % P
+        row0, c0 = b * S, p * hd
+        badw = 0
+        badr = 0
+        for t0 in range(0, T, C):
+            L = min(C, T - t0)
+            n = L * W
+            # 1. write entries, M0 rows (R), X = k·M0, snapshots
+            badw += gather_writes(wi, a, bank, fmt, b, p, t0, L, W, S, row0, c0, hd, wslot, wa,
+                                  R, X, cv)
+            if mode != SNAP_OFF:
+                for e in range(n):
+                    srow = snapshot_row(b, p, t0 + e // W, e % W, P, T, W)
+                    s = wslot[e]
+                    if mode == SNAP_EXACT:
+                        if s >= 0:
+                            for k in range(hd):
+                                snap_nat[srow, k] = bank[row0 + s, c0 + k]
+                        else:
+                            for k in range(hd):
+                                snap_nat[srow, k] = 0
                     else:
-                        for k in range(hd):
-                            snap_nat[srow, k] = 0
-                else:
-                    quantize_row(R, e, hd, mode, srow, snap_u16, snap_u8, scales, u32, f32v)
-        # 2. read entries and Y = q·M0
-        badr += gather_reads(ri, c, bank, fmt, b, p, t0, T, L, W, S, row0, c0, hd, rslot, rc,
-                             Y, v, no_dc, acc, cv)
-        # 3. overlaps, 4. forward substitution
-        nused = hash_build(wslot, n, hkey, hhead, htail, enext, used)
-        build_overlaps(n, W, wa, rslot, rc, hkey, hhead, enext, used, nused, G, gmark, gcols,
-                       gcnt, H, hmark, hcols, hcnt)
-        substitute(v, beta, b, p, t0, T, L, c0, hd, X, G, gcols, gcnt, E, U)
-        # 5. readings r_t = Y_t + Σ H[t,τ] u_τ
-        for t in range(L):
-            for q in range(hcnt[t]):
-                tau = hcols[t, q]
-                h = H[t, tau]
+                        quantize_row(R, e, hd, mode, srow, snap_u16, snap_u8, scales, u32, f32v)
+            # 2. read entries and Y = q·M0
+            badr += gather_reads(ri, c, bank, fmt, b, p, t0, T, L, W, S, row0, c0, hd, rslot, rc,
+                                 Y, v, no_dc, acc, cv)
+            # 3. overlaps, 4. forward substitution
+            nused = hash_build(wslot, n, hkey, hhead, htail, enext, used)
+            build_overlaps(n, W, wa, rslot, rc, hkey, hhead, enext, used, nused, G, gmark, gcols,
+                           gcnt, H, hmark, hcols, hcnt)
+            substitute(v, beta, b, p, t0, T, L, c0, hd, X, G, gcols, gcnt, E, U)
+            # 5. readings r_t = Y_t + Σ H[t,τ] u_τ
+            for t in range(L):
+                for q in range(hcnt[t]):
+                    tau = hcols[t, q]
+                    h = H[t, tau]
+                    for k in range(hd):
+                        Y[t, k] += h * U[tau, k]
+                rr = b * T + t0 + t
                 for k in range(hd):
-                    Y[t, k] += h * U[tau, k]
-            rr = b * T + t0 + t
-            for k in range(hd):
-                r[rr, c0 + k] = Y[t, k]
-        # 6. M_end = M0 + Σ k u^T, one store per written slot
-        for q in range(nused):
-            hb = used[q]
-            e = hhead[hb]
-            if fmt == FMT_NATIVE and enext[e] < 0:      # the common case: slot written once
-                aw = wa[e]
-                t = e // W
-                rb = row0 + hkey[hb]
+                    r[rr, c0 + k] = Y[t, k]
+            # 6. M_end = M0 + Σ k u^T, one store per written slot
+            for q in range(nused):
+                hb = used[q]
+                e = hhead[hb]
+                if fmt == FMT_NATIVE and enext[e] < 0:      # the common case: slot written once
+                    aw = wa[e]
+                    t = e // W
+                    rb = row0 + hkey[hb]
+                    for k in range(hd):
+                        bank[rb, c0 + k] = R[e, k] + aw * U[t, k]
+                    continue
                 for k in range(hd):
-                    bank[rb, c0 + k] = R[e, k] + aw * U[t, k]
-                continue
-            for k in range(hd):
-                acc[0, k] = R[e, k]
-            while e >= 0:
-                aw = wa[e]
-                t = e // W
-                for k in range(hd):
-                    acc[0, k] += aw * U[t, k]
-                e = enext[e]
-            store_row(bank, row0 + hkey[hb], c0, hd, fmt, acc, 0, u32, f32v)
-        clear_overlaps(L, gmark, gcols, gcnt, hmark, hcols, hcnt)
-        hash_clear(hkey, used, nused)
-    bad[bp, 0] = badw
-    bad[bp, 1] = badr
+                    acc[0, k] = R[e, k]
+                while e >= 0:
+                    aw = wa[e]
+                    t = e // W
+                    for k in range(hd):
+                        acc[0, k] += aw * U[t, k]
+                    e = enext[e]
+                store_row(bank, row0 + hkey[hb], c0, hd, fmt, acc, 0, u32, f32v)
+            clear_overlaps(L, gmark, gcols, gcnt, hmark, hcols, hcnt)
+            hash_clear(hkey, used, nused)
+        bad[bp, 0] = badw
+        bad[bp, 1] = badr
 
 
 @njit(parallel=True, cache=True)
 def sdm_fwd_kernel(bank, fmt, wi, a, v, beta, ri, c, r, S, P, hd, C, mode, snap_nat, snap_u16,
-                   snap_u8, scales, bad):
-    """SPEC §3 for every (b, p); see the module docstring. v, r are [B*T, D]."""
-    B = wi.shape[0]
-    for bp in prange(B * P):
-        _fwd_head(bp, bank, fmt, wi, a, v, beta, ri, c, r, S, P, hd, C, mode, snap_nat,
-                  snap_u16, snap_u8, scales, bad)
+                   snap_u8, scales, bad, nblocks):
+    """SPEC §3 for every (b, p); see the module docstring. v, r are [B*T, D]. The B·P heads
+    are split into ``nblocks`` blocks (``prange``); a block allocates its scratch once."""
+    nbp = wi.shape[0] * P
+    for blk in prange(nblocks):
+        _fwd_heads(blk * nbp // nblocks, (blk + 1) * nbp // nblocks, bank, fmt, wi, a, v, beta,
+                   ri, c, r, S, P, hd, C, mode, snap_nat, snap_u16, snap_u8, scales, bad)

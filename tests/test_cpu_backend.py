@@ -89,7 +89,8 @@ def test_float_to_16bit_rounds_like_numpy(rng, fmt):
 
 def test_fp8_e4m3_codes_match_ml_dtypes(rng):
     y = (rng.normal(size=200_000) * np.exp(rng.uniform(-16, 6, size=200_000))).astype(np.float32)
-    y = np.concatenate([np.clip(y, -448, 448), np.float32([0, -0.0, 448, -448, 2 ** -9, 2 ** -10])])
+    edge = np.float32([0, -0.0, 448, -448, 2 ** -9, 2 ** -10])
+    y = np.concatenate([np.clip(y, -448, 448), edge])
     out = np.empty(y.size, np.int64)
     _apply(F.fp8_e4m3_encode, y.view(np.uint32), out)
     assert np.array_equal(out.astype(np.uint8), y.astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
