@@ -10,6 +10,7 @@ from .cpu_chunk import (build_overlaps, clear_overlaps, gather_reads, gather_wri
                         hash_clear, hash_scratch, overlap_scratch, scratch, snapshot_row,
                         substitute)
 from .cpu_formats import FMT_NATIVE, SNAP_EXACT, SNAP_OFF, quantize_row, store_row
+from .cpu_prefetch import PREFETCH_TOKENS, prefetch_token_rows
 
 
 @njit(cache=True)
@@ -30,6 +31,13 @@ def _fwd_heads(bp0, bp1, bank, fmt, wi, a, v, beta, ri, c, r, S, P, hd, C, mode,
     for bp in range(bp0, bp1):        # scratch is allocated once per block of heads
         b, p = bp // P, bp % P
         row0, c0 = b * S, p * hd
+        if T <= PREFETCH_TOKENS and bp + 1 < bp1:
+            # short calls (decoding) never reach the in-chunk prefetch: fetch the next head's
+            # rows while this one runs
+            bn, pn = (bp + 1) // P, (bp + 1) % P
+            for tn in range(T):
+                prefetch_token_rows(bank, wi, bn, tn, pn, W, S, bn * S, pn * hd, hd, 0)
+                prefetch_token_rows(bank, ri, bn, tn, pn, W, S, bn * S, pn * hd, hd, 0)
         badw = 0
         badr = 0
         for t0 in range(0, T, C):
