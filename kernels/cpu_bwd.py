@@ -16,6 +16,7 @@ from .cpu_prefetch import PREFETCH_TOKENS, prefetch_token_rows
 @njit(cache=True)
 def _bwd_heads(bp0, bp1, bank, fmt, wi, a, v, beta, ri, c, dr, dM, S, P, hd, C, mode,
                snap_nat, snap_u16, snap_u8, scales, da, dv, dbeta, dc, bad):
+    uhd = np.uint64(hd)
     B, T, _, W = wi.shape
     Lmax = min(C, T)
     dt = a.dtype
@@ -36,6 +37,7 @@ def _bwd_heads(bp0, bp1, bank, fmt, wi, a, v, beta, ri, c, dr, dM, S, P, hd, C, 
     for bp in range(bp0, bp1):        # scratch is allocated once per block of heads
         b, p = bp // P, bp % P
         row0, c0 = b * S, p * hd
+        uc0 = np.uint64(c0)
         badw = 0
         badr = 0
         nchunks = (T + C - 1) // C
@@ -54,8 +56,8 @@ def _bwd_heads(bp0, bp1, bank, fmt, wi, a, v, beta, ri, c, dr, dM, S, P, hd, C, 
                     continue
                 srow = snapshot_row(b, p, t0 + t, w, P, T, W)
                 if mode == SNAP_EXACT:
-                    for k in range(hd):
-                        bank[row0 + s, c0 + k] = snap_nat[srow, k]
+                    for k in range(uhd):
+                        bank[row0 + s, uc0 + k] = snap_nat[srow, k]
                 else:
                     dequantize_row(mode, srow, hd, snap_u16, snap_u8, scales, tmp, 0, u32, f32v)
                     store_row(bank, row0 + s, c0, hd, fmt, tmp, 0, u32, f32v)
@@ -70,41 +72,41 @@ def _bwd_heads(bp0, bp1, bank, fmt, wi, a, v, beta, ri, c, dr, dM, S, P, hd, C, 
             # 2. du = H^T dr + k·dM (dM as at the chunk's end), into Z
             for t in range(L):
                 prefetch_token_rows(dM, wi, b, t0 + t + PREFETCH_TOKENS, p, W, S, row0, c0, hd, 0)
-                for k in range(hd):
+                for k in range(uhd):
                     Z[t, k] = 0
                 for w in range(W):
                     e = t * W + w
                     s = wslot[e]
                     if s < 0:
-                        for k in range(hd):
+                        for k in range(uhd):
                             DR[e, k] = 0
                         continue
                     aw = wa[e]
-                    for k in range(hd):
-                        DR[e, k] = dM[row0 + s, c0 + k]
-                    for k in range(hd):
+                    for k in range(uhd):
+                        DR[e, k] = dM[row0 + s, uc0 + k]
+                    for k in range(uhd):
                         Z[t, k] += aw * DR[e, k]
             for s in range(L):
                 rs = b * T + t0 + s
                 for q in range(hcnt[s]):
                     tau = hcols[s, q]
                     h = H[s, tau]
-                    for k in range(hd):
-                        Z[tau, k] += h * dr[rs, c0 + k]
+                    for k in range(uhd):
+                        Z[tau, k] += h * dr[rs, uc0 + k]
             # 3. back substitution: z_t = du_t − Σ_{s>t} β_s G[s,t] z_s
             for t in range(L - 1, -1, -1):
                 bt = beta[b, t0 + t, p]
                 for q in range(gcnt[t]):
                     tau = gcols[t, q]
                     g = bt * G[t, tau]
-                    for k in range(hd):
+                    for k in range(uhd):
                         Z[tau, k] -= g * Z[t, k]
             # 4. dv, dβ, dG, dH
             for t in range(L):
                 bt = beta[b, t0 + t, p]
                 rt = b * T + t0 + t
-                for k in range(hd):
-                    dv[rt, c0 + k] = bt * Z[t, k]
+                for k in range(uhd):
+                    dv[rt, uc0 + k] = bt * Z[t, k]
                 dbeta[b, t0 + t, p] = dot(Z, t, 0, E, t, 0, hd)
                 for q in range(gcnt[t]):
                     tau = gcols[t, q]
@@ -131,8 +133,8 @@ def _bwd_heads(bp0, bp1, bank, fmt, wi, a, v, beta, ri, c, dr, dM, S, P, hd, C, 
                 if s >= 0:
                     t = e // W
                     g = -wa[e] * beta[b, t0 + t, p]
-                    for k in range(hd):
-                        dM[row0 + s, c0 + k] += g * Z[t, k]
+                    for k in range(uhd):
+                        dM[row0 + s, uc0 + k] += g * Z[t, k]
             for e in range(n):
                 if e % W == 0:
                     prefetch_token_rows(dM, ri, b, t0 + e // W + PREFETCH_TOKENS, p, W, S, row0,
@@ -141,8 +143,8 @@ def _bwd_heads(bp0, bp1, bank, fmt, wi, a, v, beta, ri, c, dr, dM, S, P, hd, C, 
                 if j >= 0:
                     cw = rc[e]
                     rt = b * T + t0 + e // W
-                    for k in range(hd):
-                        dM[row0 + j, c0 + k] += cw * dr[rt, c0 + k]
+                    for k in range(uhd):
+                        dM[row0 + j, uc0 + k] += cw * dr[rt, uc0 + k]
             clear_overlaps(L, gmark, gcols, gcnt, hmark, hcols, hcnt)
             hash_clear(hkey, used, nused)
         bad[bp, 0] = badw

@@ -102,36 +102,40 @@ def f32_bits_to_bf16(x):
 def load_row(src, r, c0, hd, fmt, out, orow, u32, f32v):
     """out[orow, :hd] = src[r, c0:c0+hd] as numbers (decoding 16-bit bits when fmt says so).
     Rows are indexed rather than sliced: a view costs atomic reference counting."""
+    uhd = np.uint64(hd)
+    uc0 = np.uint64(c0)
     if fmt == FMT_NATIVE:
-        for k in range(hd):
-            out[orow, k] = src[r, c0 + k]
+        for k in range(uhd):
+            out[orow, k] = src[r, uc0 + k]
     elif fmt == FMT_BF16:
-        for k in range(hd):
-            u32[k] = np.uint32(np.int64(src[r, c0 + k]) << 16)
-        for k in range(hd):
+        for k in range(uhd):
+            u32[k] = np.uint32(np.int64(src[r, uc0 + k]) << 16)
+        for k in range(uhd):
             out[orow, k] = f32v[k]
     else:
-        for k in range(hd):
-            u32[k] = np.uint32(f16_to_f32_bits(src[r, c0 + k]))
-        for k in range(hd):
+        for k in range(uhd):
+            u32[k] = np.uint32(f16_to_f32_bits(src[r, uc0 + k]))
+        for k in range(uhd):
             out[orow, k] = f32v[k]
 
 
 @njit(cache=True)
 def store_row(dst, r, c0, hd, fmt, vals, vrow, u32, f32v):
     """dst[r, c0:c0+hd] = vals[vrow, :hd], rounded to the storage format (RNE)."""
+    uhd = np.uint64(hd)
+    uc0 = np.uint64(c0)
     if fmt == FMT_NATIVE:
-        for k in range(hd):
-            dst[r, c0 + k] = vals[vrow, k]
+        for k in range(uhd):
+            dst[r, uc0 + k] = vals[vrow, k]
     else:
-        for k in range(hd):
+        for k in range(uhd):
             f32v[k] = vals[vrow, k]
         if fmt == FMT_BF16:
-            for k in range(hd):
-                dst[r, c0 + k] = np.uint16(f32_bits_to_bf16(u32[k]))
+            for k in range(uhd):
+                dst[r, uc0 + k] = np.uint16(f32_bits_to_bf16(u32[k]))
         else:
-            for k in range(hd):
-                dst[r, c0 + k] = np.uint16(f32_bits_to_f16(u32[k]))
+            for k in range(uhd):
+                dst[r, uc0 + k] = np.uint16(f32_bits_to_f16(u32[k]))
 
 
 @njit(cache=True)
@@ -182,14 +186,15 @@ def fp8_e4m3_decode(q):
 @njit(cache=True)
 def quantize_row(vals, vrow, hd, mode, srow, snap_u16, snap_u8, scales, u32, f32v):
     """Stores vals[vrow, :hd] as snapshot row ``srow`` in ``mode`` (SNAP_BF16/FP8/INT8)."""
+    uhd = np.uint64(hd)
     if mode == SNAP_BF16:
-        for k in range(hd):
+        for k in range(uhd):
             f32v[k] = vals[vrow, k]
-        for k in range(hd):
+        for k in range(uhd):
             snap_u16[srow, k] = np.uint16(f32_bits_to_bf16(u32[k]))
         return
     amax = 0.0
-    for k in range(hd):
+    for k in range(uhd):
         x = abs(vals[vrow, k])
         if x > amax:
             amax = x
@@ -197,17 +202,17 @@ def quantize_row(vals, vrow, hd, mode, srow, snap_u16, snap_u8, scales, u32, f32
     scale = np.float32(amax / qmax)
     scales[srow] = scale
     if scale == 0.0 or not np.isfinite(scale):
-        for k in range(hd):
+        for k in range(uhd):
             snap_u8[srow, k] = 0
         return
     inv = 1.0 / np.float64(scale)
     if mode == SNAP_FP8:
-        for k in range(hd):
+        for k in range(uhd):
             f32v[k] = vals[vrow, k] * inv
-        for k in range(hd):
+        for k in range(uhd):
             snap_u8[srow, k] = np.uint8(fp8_e4m3_encode(u32[k]))
     else:
-        for k in range(hd):
+        for k in range(uhd):
             q = np.rint(vals[vrow, k] * inv)
             if q > INT8_MAX:
                 q = INT8_MAX
@@ -219,18 +224,19 @@ def quantize_row(vals, vrow, hd, mode, srow, snap_u16, snap_u8, scales, u32, f32
 @njit(cache=True)
 def dequantize_row(mode, srow, hd, snap_u16, snap_u8, scales, out, orow, u32, f32v):
     """out[orow, :hd] = the value of snapshot row ``srow`` stored in ``mode``."""
+    uhd = np.uint64(hd)
     if mode == SNAP_BF16:
-        for k in range(hd):
+        for k in range(uhd):
             u32[k] = np.uint32(np.int64(snap_u16[srow, k]) << 16)
-        for k in range(hd):
+        for k in range(uhd):
             out[orow, k] = f32v[k]
         return
     scale = np.float64(scales[srow])
     if mode == SNAP_FP8:
-        for k in range(hd):
+        for k in range(uhd):
             out[orow, k] = fp8_e4m3_decode(snap_u8[srow, k]) * scale
     else:
-        for k in range(hd):
+        for k in range(uhd):
             q = np.int64(snap_u8[srow, k])
             if q >= 128:
                 q -= 256

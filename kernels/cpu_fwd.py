@@ -16,6 +16,7 @@ from .cpu_prefetch import PREFETCH_TOKENS, prefetch_token_rows
 @njit(cache=True)
 def _fwd_heads(bp0, bp1, bank, fmt, wi, a, v, beta, ri, c, r, S, P, hd, C, mode, snap_nat,
                snap_u16, snap_u8, scales, bad):
+    uhd = np.uint64(hd)
     B, T, _, W = wi.shape
     Lmax = min(C, T)
     dt = a.dtype
@@ -31,6 +32,7 @@ def _fwd_heads(bp0, bp1, bank, fmt, wi, a, v, beta, ri, c, r, S, P, hd, C, mode,
     for bp in range(bp0, bp1):        # scratch is allocated once per block of heads
         b, p = bp // P, bp % P
         row0, c0 = b * S, p * hd
+        uc0 = np.uint64(c0)
         if T <= PREFETCH_TOKENS and bp + 1 < bp1:
             # short calls (decoding) never reach the in-chunk prefetch: fetch the next head's
             # rows while this one runs
@@ -52,10 +54,10 @@ def _fwd_heads(bp0, bp1, bank, fmt, wi, a, v, beta, ri, c, r, S, P, hd, C, mode,
                     s = wslot[e]
                     if mode == SNAP_EXACT:
                         if s >= 0:
-                            for k in range(hd):
-                                snap_nat[srow, k] = bank[row0 + s, c0 + k]
+                            for k in range(uhd):
+                                snap_nat[srow, k] = bank[row0 + s, uc0 + k]
                         else:
-                            for k in range(hd):
+                            for k in range(uhd):
                                 snap_nat[srow, k] = 0
                     else:
                         quantize_row(R, e, hd, mode, srow, snap_u16, snap_u8, scales, u32, f32v)
@@ -72,11 +74,11 @@ def _fwd_heads(bp0, bp1, bank, fmt, wi, a, v, beta, ri, c, r, S, P, hd, C, mode,
                 for q in range(hcnt[t]):
                     tau = hcols[t, q]
                     h = H[t, tau]
-                    for k in range(hd):
+                    for k in range(uhd):
                         Y[t, k] += h * U[tau, k]
                 rr = b * T + t0 + t
-                for k in range(hd):
-                    r[rr, c0 + k] = Y[t, k]
+                for k in range(uhd):
+                    r[rr, uc0 + k] = Y[t, k]
             # 6. M_end = M0 + Σ k u^T, one store per written slot
             for q in range(nused):
                 hb = used[q]
@@ -85,15 +87,15 @@ def _fwd_heads(bp0, bp1, bank, fmt, wi, a, v, beta, ri, c, r, S, P, hd, C, mode,
                     aw = wa[e]
                     t = e // W
                     rb = row0 + hkey[hb]
-                    for k in range(hd):
-                        bank[rb, c0 + k] = R[e, k] + aw * U[t, k]
+                    for k in range(uhd):
+                        bank[rb, uc0 + k] = R[e, k] + aw * U[t, k]
                     continue
-                for k in range(hd):
+                for k in range(uhd):
                     acc[0, k] = R[e, k]
                 while e >= 0:
                     aw = wa[e]
                     t = e // W
-                    for k in range(hd):
+                    for k in range(uhd):
                         acc[0, k] += aw * U[t, k]
                     e = enext[e]
                 store_row(bank, row0 + hkey[hb], c0, hd, fmt, acc, 0, u32, f32v)
