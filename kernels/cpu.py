@@ -38,7 +38,16 @@ accumulator, compute dtype) as it is at the chunk's end:
 Speed: the kernels are bound by rows gathered at random slots (most of them cold in cache);
 ``cpu_prefetch`` requests the rows of token t+2 while token t is processed. Hot loops index
 rows (``A[i, k]``) instead of slicing them: every array view costs atomic reference-count
-updates, which the two workers then fight over. Dot products use eight fixed partial sums
+updates, which the two workers then fight over. The column index of every row loop is
+unsigned (``for k in range(uhd)``, ``A[i, uc0 + k]`` with ``uhd, uc0 = np.uint64(...)``): Numba
+fixes up negative signed indices element by element, which kept LLVM from vectorising these
+loops (the forward went from ~11 to ~6 ms on the benchmark shape; results are bitwise the
+same). Mixing uint64 with int64 makes Numba compute in float64: keep both operands unsigned.
+Per-entry token numbers come from a table (``etok[e] = e // W``), not integer divisions. The
+forward does not copy gathered rows into ``R`` when nothing needs them (native bank, exact or
+no snapshots): its scatter then adds to the bank rows, which hold M0 until then. A per-head
+contiguous copy of the S×hd block (gathers from L2) was measured slower: copying the block in
+and out costs more than it saves. Dot products use eight fixed partial sums
 (``cpu_chunk.dot``): vectorisable without fastmath and bitwise reproducible. Memory per worker:
 O(C·W·hd + C²) scratch; C is capped at ``CHUNK_CAP`` (a speed knob only, SPEC §2). Column
 tiles inside a head are not used: B·P workers already fill a small CPU.

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .cpu_chunk import (build_overlaps, clear_overlaps, dot, gather_reads, gather_writes,
+from .cpu_chunk import (build_overlaps, entry_tokens,
+                        clear_overlaps, dot, gather_reads, gather_writes,
                         hash_build, hash_clear, hash_scratch, overlap_grads, overlap_scratch,
                         scratch, snapshot_row, substitute)
 from .cpu_formats import SNAP_EXACT, dequantize_row, store_row
@@ -24,6 +25,7 @@ def _bwd_heads(bp0, bp1, bank, fmt, wi, a, v, beta, ri, c, dr, dM, S, P, hd, C, 
     Z = np.empty((Lmax, hd), dt)
     DR = np.empty((Lmax * W, hd), dt)
     hkey, hhead, htail, enext, used = hash_scratch(Lmax * W, S, T * W)
+    etok = entry_tokens(Lmax * W, W)
     G, gmark, gcols, gcnt, H, hmark, hcols, hcnt = overlap_scratch(Lmax, dt)
     dG = np.empty((Lmax, Lmax), dt)
     dH = np.empty((Lmax, Lmax), dt)
@@ -47,7 +49,7 @@ def _bwd_heads(bp0, bp1, bank, fmt, wi, a, v, beta, ri, c, dr, dM, S, P, hd, C, 
             n = L * W
             # 1. rewind this chunk's written rows, then recompute on M0
             for e in range(n):
-                t, w = e // W, e % W
+                t, w = etok[e], e - etok[e] * W
                 if w == 0:
                     prefetch_token_rows(bank, wi, b, t0 + t + PREFETCH_TOKENS, p, W, S, row0, c0,
                                         hd, 0)
@@ -66,8 +68,8 @@ def _bwd_heads(bp0, bp1, bank, fmt, wi, a, v, beta, ri, c, dr, dM, S, P, hd, C, 
             badr += gather_reads(ri, c, bank, fmt, b, p, t0, T, L, W, S, row0, c0, hd, rslot, rc,
                                  no_rows, dr, dc_c, tmp, cv)      # dc_{t,w} = dr_t·M0[j]
             nused = hash_build(wslot, n, hkey, hhead, htail, enext, used)
-            build_overlaps(n, W, wa, rslot, rc, hkey, hhead, enext, used, nused, G, gmark, gcols,
-                           gcnt, H, hmark, hcols, hcnt)
+            build_overlaps(n, W, etok, wa, rslot, rc, hkey, hhead, enext, used, nused, G, gmark,
+                           gcols, gcnt, H, hmark, hcols, hcnt)
             substitute(v, beta, b, p, t0, T, L, c0, hd, X, G, gcols, gcnt, E, U)
             # 2. du = H^T dr + k·dM (dM as at the chunk's end), into Z
             for t in range(L):
@@ -117,32 +119,32 @@ def _bwd_heads(bp0, bp1, bank, fmt, wi, a, v, beta, ri, c, dr, dM, S, P, hd, C, 
             # 5. da = u·dM[i] + dX·M0[i] + (dG, dH terms); dc += dH terms
             for e in range(n):
                 if wslot[e] >= 0:
-                    t = e // W
+                    t = etok[e]
                     bt = beta[b, t0 + t, p]
                     da_c[e] = dot(U, t, 0, DR, e, 0, hd) - bt * dot(Z, t, 0, R, e, 0, hd)
                 else:
                     da_c[e] = 0
-            overlap_grads(n, W, wa, rslot, rc, hkey, hhead, enext, used, nused, dG, dH, da_c,
+            overlap_grads(n, W, etok, wa, rslot, rc, hkey, hhead, enext, used, nused, dG, dH, da_c,
                           dc_c)
             for e in range(n):
-                da[b, t0 + e // W, p, e % W] = da_c[e]
-                dc[b, t0 + e // W, p, e % W] = dc_c[e]
+                da[b, t0 + etok[e], p, e - etok[e] * W] = da_c[e]
+                dc[b, t0 + etok[e], p, e - etok[e] * W] = dc_c[e]
             # 6. dM at the chunk's start: += a dX (write rows), += c dr (read rows)
             for e in range(n):
                 s = wslot[e]
                 if s >= 0:
-                    t = e // W
+                    t = etok[e]
                     g = -wa[e] * beta[b, t0 + t, p]
                     for k in range(uhd):
                         dM[row0 + s, uc0 + k] += g * Z[t, k]
             for e in range(n):
-                if e % W == 0:
-                    prefetch_token_rows(dM, ri, b, t0 + e // W + PREFETCH_TOKENS, p, W, S, row0,
+                if e == etok[e] * W:
+                    prefetch_token_rows(dM, ri, b, t0 + etok[e] + PREFETCH_TOKENS, p, W, S, row0,
                                         c0, hd, 1)
                 j = rslot[e]
                 if j >= 0:
                     cw = rc[e]
-                    rt = b * T + t0 + e // W
+                    rt = b * T + t0 + etok[e]
                     for k in range(uhd):
                         dM[row0 + j, uc0 + k] += cw * dr[rt, uc0 + k]
             clear_overlaps(L, gmark, gcols, gcnt, hmark, hcols, hcnt)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .cpu_chunk import (build_overlaps, clear_overlaps, gather_reads, gather_writes, hash_build,
+from .cpu_chunk import (build_overlaps, entry_tokens,
+                        clear_overlaps, gather_reads, gather_writes, hash_build,
                         hash_clear, hash_scratch, overlap_scratch, scratch, snapshot_row,
                         substitute)
 from .cpu_formats import FMT_NATIVE, SNAP_EXACT, SNAP_OFF, quantize_row, store_row
@@ -23,12 +24,16 @@ def _fwd_heads(bp0, bp1, bank, fmt, wi, a, v, beta, ri, c, r, S, P, hd, C, mode,
     wslot, wa, rslot, rc, R, X, E, U = scratch(Lmax, W, hd, dt)
     Y = np.empty((Lmax, hd), dt)
     hkey, hhead, htail, enext, used = hash_scratch(Lmax * W, S, T * W)
+    etok = entry_tokens(Lmax * W, W)
     G, gmark, gcols, gcnt, H, hmark, hcols, hcnt = overlap_scratch(Lmax, dt)
     no_dc = np.empty(0, dt)
     acc = np.empty((1, hd), dt)
     u32 = np.empty(hd, np.uint32)
     f32v = u32.view(np.float32)
     cv = (u32, f32v)
+    # R (the M0 rows) is only needed by 16-bit banks and quantized snapshots; else the scatter
+    # reads M0 from the bank rows themselves (unchanged until the chunk's scatter)
+    keep = fmt != FMT_NATIVE or (mode != SNAP_OFF and mode != SNAP_EXACT)
     for bp in range(bp0, bp1):        # scratch is allocated once per block of heads
         b, p = bp // P, bp % P
         row0, c0 = b * S, p * hd
@@ -47,10 +52,10 @@ def _fwd_heads(bp0, bp1, bank, fmt, wi, a, v, beta, ri, c, r, S, P, hd, C, mode,
             n = L * W
             # 1. write entries, M0 rows (R), X = k·M0, snapshots
             badw += gather_writes(wi, a, bank, fmt, b, p, t0, L, W, S, row0, c0, hd, wslot, wa,
-                                  R, X, cv)
+                                  R, X, cv, keep)
             if mode != SNAP_OFF:
                 for e in range(n):
-                    srow = snapshot_row(b, p, t0 + e // W, e % W, P, T, W)
+                    srow = snapshot_row(b, p, t0 + etok[e], e - etok[e] * W, P, T, W)
                     s = wslot[e]
                     if mode == SNAP_EXACT:
                         if s >= 0:
@@ -66,8 +71,8 @@ def _fwd_heads(bp0, bp1, bank, fmt, wi, a, v, beta, ri, c, r, S, P, hd, C, mode,
                                  Y, v, no_dc, acc, cv)
             # 3. overlaps, 4. forward substitution
             nused = hash_build(wslot, n, hkey, hhead, htail, enext, used)
-            build_overlaps(n, W, wa, rslot, rc, hkey, hhead, enext, used, nused, G, gmark, gcols,
-                           gcnt, H, hmark, hcols, hcnt)
+            build_overlaps(n, W, etok, wa, rslot, rc, hkey, hhead, enext, used, nused, G, gmark,
+                           gcols, gcnt, H, hmark, hcols, hcnt)
             substitute(v, beta, b, p, t0, T, L, c0, hd, X, G, gcols, gcnt, E, U)
             # 5. readings r_t = Y_t + Σ H[t,τ] u_τ
             for t in range(L):
@@ -85,16 +90,24 @@ def _fwd_heads(bp0, bp1, bank, fmt, wi, a, v, beta, ri, c, r, S, P, hd, C, mode,
                 e = hhead[hb]
                 if fmt == FMT_NATIVE and enext[e] < 0:      # the common case: slot written once
                     aw = wa[e]
-                    t = e // W
+                    t = etok[e]
                     rb = row0 + hkey[hb]
-                    for k in range(uhd):
-                        bank[rb, uc0 + k] = R[e, k] + aw * U[t, k]
+                    if keep:
+                        for k in range(uhd):
+                            bank[rb, uc0 + k] = R[e, k] + aw * U[t, k]
+                    else:
+                        for k in range(uhd):
+                            bank[rb, uc0 + k] += aw * U[t, k]
                     continue
-                for k in range(uhd):
-                    acc[0, k] = R[e, k]
+                if keep:
+                    for k in range(uhd):
+                        acc[0, k] = R[e, k]
+                else:
+                    for k in range(uhd):
+                        acc[0, k] = bank[row0 + hkey[hb], uc0 + k]
                 while e >= 0:
                     aw = wa[e]
-                    t = e // W
+                    t = etok[e]
                     for k in range(uhd):
                         acc[0, k] += aw * U[t, k]
                     e = enext[e]

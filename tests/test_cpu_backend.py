@@ -124,6 +124,21 @@ def test_bitwise_deterministic_across_calls(rng, dtype):
         assert np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8)), name
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_forward_bits_do_not_depend_on_the_snapshot_mode(rng, dtype):
+    """The forward keeps the gathered M0 rows in scratch only when a quantized snapshot needs
+    them, else its scatter adds to the bank rows: both paths must give the same bits."""
+    pb = make_problem(rng, B=2, T=70, P=2, hd=24, S=48, W=4, dtype=dtype)
+    outs = []
+    for quant, backward in ((None, False), (None, True), ("int8", True), ("fp8_e4m3", True)):
+        res = sdm.forward(*pb.args(), cfg_for(pb, C=16, snapshot_quant=quant),
+                          needs_backward=backward)
+        outs.append((res.readings, res.bank))
+    for readings, bank in outs[1:]:
+        assert np.array_equal(readings.view(np.uint8), outs[0][0].view(np.uint8))
+        assert np.array_equal(bank.view(np.uint8), outs[0][1].view(np.uint8))
+
+
 def test_results_do_not_depend_on_the_thread_count(rng):
     import numba
     pb = make_problem(rng, B=2, T=40, P=3, hd=16, S=30, W=4, dtype=np.float32)
