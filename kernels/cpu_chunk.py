@@ -151,8 +151,9 @@ def gather_writes(idx, wts, bank, fmt, b, p, t0, L, W, S, row0, c0, hd, slot, wt
                 bad += 1
                 slot[e] = -1
                 wt[e] = 0
-                for k in range(uhd):
-                    R[e, k] = 0
+                if keep:
+                    for k in range(uhd):
+                        R[e, k] = 0
                 continue
             slot[e] = s
             aw = wts[b, t0 + t, p, w]
@@ -339,10 +340,14 @@ def overlap_grads(n, W, etok, wa, rslot, rc, hkey, hhead, enext, used, nused, dG
 # ------------------------------------------------------------------- per-worker scratch
 
 @njit(cache=True)
-def scratch(Lmax, W, hd, dt):
+def scratch(Lmax, W, hd, dt, keep=True):
+    """Per-worker scratch; ``keep=False`` gives R no rows (the forward without R). R is the
+    one large buffer (C·W·hd values, 128 KiB on the benchmark shape): above glibc's default
+    mmap threshold, so each allocation was an mmap + page faults + munmap (a TLB shootdown
+    across the workers), which made a cold process's 2-thread forward ~3x slower."""
     n = Lmax * W
     return (np.empty(n, np.int64), np.empty(n, dt), np.empty(n, np.int64), np.empty(n, dt),
-            np.empty((n, hd), dt), np.empty((Lmax, hd), dt), np.empty((Lmax, hd), dt),
+            np.empty((n if keep else 0, hd), dt), np.empty((Lmax, hd), dt), np.empty((Lmax, hd), dt),
             np.empty((Lmax, hd), dt))
 
 

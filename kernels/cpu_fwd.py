@@ -21,7 +21,6 @@ def _fwd_heads(bp0, bp1, bank, fmt, wi, a, v, beta, ri, c, r, S, P, hd, C, mode,
     B, T, _, W = wi.shape
     Lmax = min(C, T)
     dt = a.dtype
-    wslot, wa, rslot, rc, R, X, E, U = scratch(Lmax, W, hd, dt)
     Y = np.empty((Lmax, hd), dt)
     hkey, hhead, htail, enext, used = hash_scratch(Lmax * W, S, T * W)
     etok = entry_tokens(Lmax * W, W)
@@ -34,6 +33,7 @@ def _fwd_heads(bp0, bp1, bank, fmt, wi, a, v, beta, ri, c, r, S, P, hd, C, mode,
     # R (the M0 rows) is only needed by 16-bit banks and quantized snapshots; else the scatter
     # reads M0 from the bank rows themselves (unchanged until the chunk's scatter)
     keep = fmt != FMT_NATIVE or (mode != SNAP_OFF and mode != SNAP_EXACT)
+    wslot, wa, rslot, rc, R, X, E, U = scratch(Lmax, W, hd, dt, keep)
     for bp in range(bp0, bp1):        # scratch is allocated once per block of heads
         b, p = bp // P, bp % P
         row0, c0 = b * S, p * hd
