@@ -60,7 +60,7 @@ end. Bank rows of a float16/bfloat16 bank are rounded from the compute dtype wit
 float64 through float32 when the values are float64: double rounding in that rare mix).
 
 Safety: Numba does no bounds checks. Every slot id is tested against [0, S) before it is used;
-an id outside is skipped (weight 0) and counted, and the host wrapper raises ValueError after
+an id outside is skipped (weight 0) and counted (ids are int32 or int64, as given), and the host wrapper raises ValueError after
 the kernel (``check_indices=False`` in the API skips the up-front check, never this one).
 The parallel kernels run under ``_LOCK``: Numba's default workqueue threading layer is not safe
 when several Python threads launch parallel functions at once.
@@ -114,9 +114,13 @@ def _chunk(lay) -> int:
 def _kernel_inputs(lay, inputs):
     wi, a, v, beta, ri, c = inputs
     cd = lay.compute_dtype
-    return (np.ascontiguousarray(wi, dtype=np.int64), np.ascontiguousarray(a, dtype=cd),
+    # int32 ids are taken as they are (no int64 copy: ~0.13 ms per forward on the benchmark
+    # shape); the kernels compile once per id dtype, and both id arrays share one dtype
+    i32 = np.dtype(np.int32)
+    idt = i32 if wi.dtype == i32 and ri.dtype == i32 else np.dtype(np.int64)
+    return (np.ascontiguousarray(wi, dtype=idt), np.ascontiguousarray(a, dtype=cd),
             np.ascontiguousarray(v, dtype=cd), np.ascontiguousarray(beta, dtype=cd),
-            np.ascontiguousarray(ri, dtype=np.int64), np.ascontiguousarray(c, dtype=cd))
+            np.ascontiguousarray(ri, dtype=idt), np.ascontiguousarray(c, dtype=cd))
 
 
 def _snapshot_arrays(lay, bank_k, snapshots, mode):

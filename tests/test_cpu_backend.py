@@ -233,6 +233,38 @@ def test_out_of_range_ids_raise_and_never_touch_memory(rng, which, bad):
     assert (store[:3] == 1234.5).all() and (store[-3:] == 1234.5).all(), "wrote out of bounds"
 
 
+@pytest.mark.parametrize("which,bad", [("write_idx", -1), ("write_idx", 2 ** 31 - 1),
+                                       ("read_idx", -(2 ** 31)), ("read_idx", 7)])
+def test_out_of_range_int32_ids_never_touch_memory(rng, which, bad):
+    """The int32 kernels (ids are not widened to int64) skip bad ids the same way."""
+    pb = make_problem(rng, B=2, T=12, P=2, hd=8, S=7, W=3, index_dtype=np.int32)
+    getattr(pb, which)[1, 5, 0, 2] = bad
+    guard = np.full((3, pb.P * pb.hd), 1234.5)
+    store = np.concatenate([guard, pb.bank, guard])
+    bank = store[3:-3]
+    for nb in (True, False):
+        with pytest.raises(ValueError, match=rf"{which}.*\[0, {pb.S}\)"):
+            sdm.forward(bank, *pb.inputs, cfg_for(pb, C=4), check_indices=False, inplace=True,
+                        needs_backward=nb)
+    assert (store[:3] == 1234.5).all() and (store[-3:] == 1234.5).all(), "wrote out of bounds"
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_int32_and_int64_ids_give_the_same_bits(rng, dtype):
+    pb = make_problem(rng, B=2, T=37, P=3, hd=16, S=40, W=4, dtype=dtype)
+    dr = rng.normal(size=(pb.B, pb.T, pb.P * pb.hd)).astype(dtype)
+    outs = []
+    for it in (np.int32, np.int64):
+        args = list(pb.args())
+        args[1], args[5] = args[1].astype(it), args[5].astype(it)
+        res = sdm.forward(*args, cfg_for(pb, C=8))
+        r, M = res.readings.copy(), res.bank.copy()
+        g = sdm.backward(res.saved, dr)
+        outs.append((r, M, g.bank, g.write_w, g.values, g.beta, g.read_w))
+    for x, y in zip(*outs):
+        assert np.array_equal(x.view(np.uint8), y.view(np.uint8))
+
+
 def test_out_of_range_ids_are_skipped_like_zero_weights(rng):
     """What the kernels compute for a skipped id: the op with that address's weight set to 0
     (its slot is never read or written)."""
