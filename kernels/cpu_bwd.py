@@ -24,7 +24,7 @@ def _bwd_heads(bp0, bp1, bank, fmt, wi, a, v, beta, ri, c, dr, dM, S, P, hd, C, 
     wslot, wa, rslot, rc, R, X, E, U = scratch(Lmax, W, hd, dt)
     Z = np.empty((Lmax, hd), dt)
     DR = np.empty((Lmax * W, hd), dt)
-    hkey, hhead, htail, enext, used = hash_scratch(Lmax * W, S, T * W)
+    hkey, hhead, htail, enext, used, emult = hash_scratch(Lmax * W, S, T * W)
     etok = entry_tokens(Lmax * W, W)
     G, gmark, gcols, gcnt, H, hmark, hcols, hcnt = overlap_scratch(Lmax, dt)
     dG = np.empty((Lmax, Lmax), dt)
@@ -67,7 +67,7 @@ def _bwd_heads(bp0, bp1, bank, fmt, wi, a, v, beta, ri, c, dr, dM, S, P, hd, C, 
                                   R, X, cv)
             badr += gather_reads(ri, c, bank, fmt, b, p, t0, T, L, W, S, row0, c0, hd, rslot, rc,
                                  no_rows, dr, dc_c, tmp, cv)      # dc_{t,w} = dr_t·M0[j]
-            nused = hash_build(wslot, n, hkey, hhead, htail, enext, used)
+            nused = hash_build(wslot, n, hkey, hhead, htail, enext, used, emult)
             build_overlaps(n, W, etok, wa, rslot, rc, hkey, hhead, enext, used, nused, G, gmark,
                            gcols, gcnt, H, hmark, hcols, hcnt)
             substitute(v, beta, b, p, t0, T, L, c0, hd, X, G, gcols, gcnt, E, U)

@@ -51,14 +51,17 @@ def _bucket0(s, size):
 
 
 @njit(cache=True)
-def hash_build(wslot, n, hkey, hhead, htail, enext, used):
+def hash_build(wslot, n, hkey, hhead, htail, enext, used, emult):
     """Chains the valid write entries by slot; returns the number of buckets used.
-    ``hkey`` must be all -1 on entry (``hash_clear`` restores that)."""
+    ``emult[e]`` = 0 for an entry whose slot the chunk writes once, 1 for the first entry of a
+    longer chain, 2 for the later ones (lets a scatter walk the entries in order without the
+    bucket tables). ``hkey`` must be all -1 on entry (``hash_clear`` restores that)."""
     size = hkey.shape[0]
     mask = size - 1                      # probing only happens in the power-of-two hash
     nused = 0
     for e in range(n):
         enext[e] = -1
+        emult[e] = 0
         s = wslot[e]
         if s < 0:
             continue
@@ -66,6 +69,8 @@ def hash_build(wslot, n, hkey, hhead, htail, enext, used):
         while True:
             k = hkey[h]
             if k == s:
+                emult[hhead[h]] = 1
+                emult[e] = 2
                 enext[htail[h]] = e
                 htail[h] = e
                 break
@@ -366,7 +371,7 @@ def entry_tokens(n, W):
 def hash_scratch(n, S, touches):
     size = hash_size(n, S, touches)
     return (np.full(size, -1, np.int64), np.empty(size, np.int64), np.empty(size, np.int64),
-            np.empty(n, np.int64), np.empty(n, np.int64))
+            np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.uint8))
 
 
 @njit(cache=True)

@@ -22,7 +22,7 @@ def _fwd_heads(bp0, bp1, bank, fmt, wi, a, v, beta, ri, c, r, S, P, hd, C, mode,
     Lmax = min(C, T)
     dt = a.dtype
     Y = np.empty((Lmax, hd), dt)
-    hkey, hhead, htail, enext, used = hash_scratch(Lmax * W, S, T * W)
+    hkey, hhead, htail, enext, used, emult = hash_scratch(Lmax * W, S, T * W)
     etok = entry_tokens(Lmax * W, W)
     G, gmark, gcols, gcnt, H, hmark, hcols, hcnt = overlap_scratch(Lmax, dt)
     no_dc = np.empty(0, dt)
@@ -70,7 +70,7 @@ def _fwd_heads(bp0, bp1, bank, fmt, wi, a, v, beta, ri, c, r, S, P, hd, C, mode,
             badr += gather_reads(ri, c, bank, fmt, b, p, t0, T, L, W, S, row0, c0, hd, rslot, rc,
                                  Y, v, no_dc, acc, cv)
             # 3. overlaps, 4. forward substitution
-            nused = hash_build(wslot, n, hkey, hhead, htail, enext, used)
+            nused = hash_build(wslot, n, hkey, hhead, htail, enext, used, emult)
             build_overlaps(n, W, etok, wa, rslot, rc, hkey, hhead, enext, used, nused, G, gmark,
                            gcols, gcnt, H, hmark, hcols, hcnt)
             substitute(v, beta, b, p, t0, T, L, c0, hd, X, G, gcols, gcnt, E, U)
@@ -84,14 +84,21 @@ def _fwd_heads(bp0, bp1, bank, fmt, wi, a, v, beta, ri, c, r, S, P, hd, C, mode,
                 rr = b * T + t0 + t
                 for k in range(uhd):
                     r[rr, uc0 + k] = Y[t, k]
-            # 6. M_end = M0 + Σ k u^T, one store per written slot
-            for q in range(nused):
-                hb = used[q]
-                e = hhead[hb]
-                if fmt == FMT_NATIVE and enext[e] < 0:      # the common case: slot written once
+            # 6. M_end = M0 + Σ k u^T, one store per written slot. Entries are walked in order
+            # (sequential loads, no bucket tables): a slot written once is updated from its
+            # entry, a longer chain is summed at its first entry (the buckets' first-seen order,
+            # so the same bits as walking the buckets)
+            for e in range(n):
+                s = wslot[e]
+                if s < 0:
+                    continue
+                m = emult[e]
+                if m == 2:
+                    continue
+                rb = row0 + s
+                if fmt == FMT_NATIVE and m == 0:            # the common case: slot written once
                     aw = wa[e]
                     t = etok[e]
-                    rb = row0 + hkey[hb]
                     if keep:
                         for k in range(uhd):
                             bank[rb, uc0 + k] = R[e, k] + aw * U[t, k]
@@ -104,14 +111,15 @@ def _fwd_heads(bp0, bp1, bank, fmt, wi, a, v, beta, ri, c, r, S, P, hd, C, mode,
                         acc[0, k] = R[e, k]
                 else:
                     for k in range(uhd):
-                        acc[0, k] = bank[row0 + hkey[hb], uc0 + k]
-                while e >= 0:
-                    aw = wa[e]
-                    t = etok[e]
+                        acc[0, k] = bank[rb, uc0 + k]
+                ec = e
+                while ec >= 0:
+                    aw = wa[ec]
+                    t = etok[ec]
                     for k in range(uhd):
                         acc[0, k] += aw * U[t, k]
-                    e = enext[e]
-                store_row(bank, row0 + hkey[hb], c0, hd, fmt, acc, 0, u32, f32v)
+                    ec = enext[ec]
+                store_row(bank, rb, c0, hd, fmt, acc, 0, u32, f32v)
             clear_overlaps(L, gmark, gcols, gcnt, hmark, hcols, hcnt)
             hash_clear(hkey, used, nused)
         bad[bp, 0] = badw
