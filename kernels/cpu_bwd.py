@@ -68,7 +68,7 @@ def _bwd_heads(bp0, bp1, bank, fmt, wi, a, v, beta, ri, c, dr, dM, S, P, hd, C, 
             badr += gather_reads(ri, c, bank, fmt, b, p, t0, T, L, W, S, row0, c0, hd, rslot, rc,
                                  no_rows, dr, dc_c, tmp, cv)      # dc_{t,w} = dr_t·M0[j]
             nused = hash_build(wslot, n, hkey, hhead, htail, enext, used, emult)
-            build_overlaps(n, W, etok, wa, rslot, rc, hkey, hhead, enext, used, nused, G, gmark,
+            build_overlaps(n, W, etok, wa, rslot, rc, hkey, hhead, enext, emult, nused, G, gmark,
                            gcols, gcnt, H, hmark, hcols, hcnt)
             substitute(v, beta, b, p, t0, T, L, c0, hd, X, G, gcols, gcnt, E, U)
             # 2. du = H^T dr + k·dM (dM as at the chunk's end), into Z
@@ -124,7 +124,7 @@ def _bwd_heads(bp0, bp1, bank, fmt, wi, a, v, beta, ri, c, dr, dM, S, P, hd, C, 
                     da_c[e] = dot(U, t, 0, DR, e, 0, hd) - bt * dot(Z, t, 0, R, e, 0, hd)
                 else:
                     da_c[e] = 0
-            overlap_grads(n, W, etok, wa, rslot, rc, hkey, hhead, enext, used, nused, dG, dH, da_c,
+            overlap_grads(n, W, etok, wa, rslot, rc, hkey, hhead, enext, emult, nused, dG, dH, da_c,
                           dc_c)
             for e in range(n):
                 da[b, t0 + etok[e], p, e - etok[e] * W] = da_c[e]

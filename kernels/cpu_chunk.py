@@ -222,17 +222,15 @@ def gather_reads(idx, wts, bank, fmt, b, p, t0, T, L, W, S, row0, c0, hd, slot, 
 
 
 @njit(cache=True)
-def build_overlaps(n, W, etok, wa, rslot, rc, hkey, hhead, enext, used, nused, G, gmark, gcols,
+def build_overlaps(n, W, etok, wa, rslot, rc, hkey, hhead, enext, emult, nused, G, gmark, gcols,
                    gcnt, H, hmark, hcols, hcnt):
     """G[t,τ] (τ<t) and H[t,τ] (τ<=t) of SPEC §3 from the hashed write entries."""
     L = n // W
     for t in range(L):
         gcnt[t] = 0
         hcnt[t] = 0
-    for q in range(nused):
-        h = used[q]
-        first = hhead[h]
-        if enext[first] < 0:
+    for first in range(n):             # chain heads in entry order = the buckets' order
+        if emult[first] != 1:
             continue
         ea = enext[first]
         while ea >= 0:                 # pairs (eb before ea) of one slot's chain
@@ -303,13 +301,11 @@ def substitute(v, beta, b, p, t0, T, L, c0, hd, X, G, gcols, gcnt, E, U):
 
 
 @njit(cache=True)
-def overlap_grads(n, W, etok, wa, rslot, rc, hkey, hhead, enext, used, nused, dG, dH, da,
+def overlap_grads(n, W, etok, wa, rslot, rc, hkey, hhead, enext, emult, nused, dG, dH, da,
                   dc):
     """The dG, dH terms of SPEC §4 step 5: walks the same chains as ``build_overlaps``."""
-    for q in range(nused):
-        h = used[q]
-        first = hhead[h]
-        if enext[first] < 0:
+    for first in range(n):             # chain heads in entry order = the buckets' order
+        if emult[first] != 1:
             continue
         ea = enext[first]
         while ea >= 0:
@@ -352,7 +348,8 @@ def scratch(Lmax, W, hd, dt, keep=True):
     across the workers), which made a cold process's 2-thread forward ~3x slower."""
     n = Lmax * W
     return (np.empty(n, np.int64), np.empty(n, dt), np.empty(n, np.int64), np.empty(n, dt),
-            np.empty((n if keep else 0, hd), dt), np.empty((Lmax, hd), dt), np.empty((Lmax, hd), dt),
+            np.empty((n if keep else 0, hd), dt), np.empty((Lmax, hd), dt),
+            np.empty((Lmax, hd), dt),
             np.empty((Lmax, hd), dt))
 
 

@@ -71,7 +71,7 @@ def _fwd_heads(bp0, bp1, bank, fmt, wi, a, v, beta, ri, c, r, S, P, hd, C, mode,
                                  Y, v, no_dc, acc, cv)
             # 3. overlaps, 4. forward substitution
             nused = hash_build(wslot, n, hkey, hhead, htail, enext, used, emult)
-            build_overlaps(n, W, etok, wa, rslot, rc, hkey, hhead, enext, used, nused, G, gmark,
+            build_overlaps(n, W, etok, wa, rslot, rc, hkey, hhead, enext, emult, nused, G, gmark,
                            gcols, gcnt, H, hmark, hcols, hcnt)
             substitute(v, beta, b, p, t0, T, L, c0, hd, X, G, gcols, gcnt, E, U)
             # 5. readings r_t = Y_t + Σ H[t,τ] u_τ
