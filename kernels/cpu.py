@@ -77,6 +77,10 @@ import numpy as np
 from .cpu_bwd import sdm_bwd_kernel
 from .cpu_formats import FMT_BF16, FMT_F16, FMT_NATIVE, SNAP_CODES, SNAP_EXACT, SNAP_OFF
 from .cpu_fwd import sdm_fwd_kernel
+from . import cpu_cache
+
+# Kernels load their on-disk cache at their first call, so this still comes first.
+cpu_cache.drop_stale()
 
 __all__ = ["check_config", "sdm_fwd", "sdm_bwd", "expand_memory_batch", "sum_memory_batch",
            "sdm_fwd_kernel", "sdm_bwd_kernel", "CHUNK_CAP"]
