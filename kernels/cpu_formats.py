@@ -61,6 +61,19 @@ def f16_to_f32_bits(h):
 
 
 @njit(cache=True)
+def _subnormal_rne(ax, shift):
+    """The 24-bit significand of binary32 bits ``ax`` shifted right by ``shift`` (>= 1),
+    rounded to nearest even: the subnormal code of a narrower format."""
+    m = (ax & 0x7FFFFF) | 0x800000
+    h = m >> shift
+    rem = m & ((np.int64(1) << shift) - 1)
+    half = np.int64(1) << (shift - 1)
+    if rem > half or (rem == half and (h & 1) == 1):
+        h += 1
+    return h
+
+
+@njit(cache=True)
 def f32_bits_to_f16(x):
     """binary32 bits -> binary16 bits (int64), round to nearest even."""
     x = np.int64(x)
@@ -75,13 +88,7 @@ def f32_bits_to_f16(x):
         shift = 126 - e
         if shift > 24:
             return s
-        m = (ax & 0x7FFFFF) | 0x800000
-        h = m >> shift
-        rem = m & ((np.int64(1) << shift) - 1)
-        half = np.int64(1) << (shift - 1)
-        if rem > half or (rem == half and (h & 1) == 1):
-            h += 1
-        return s | h
+        return s | _subnormal_rne(ax, shift)
     h = (ax - 0x38000000) >> 13                    # rebias 127 -> 15
     rem = ax & 0x1FFF
     if rem > 0x1000 or (rem == 0x1000 and (h & 1) == 1):
@@ -158,13 +165,7 @@ def fp8_e4m3_encode(x):
     shift = 14 - e                                  # subnormal: units of 2^-9
     if shift > 25:
         return sign
-    m = (ax & 0x7FFFFF) | 0x800000
-    h = m >> shift
-    rem = m & ((np.int64(1) << shift) - 1)
-    half = np.int64(1) << (shift - 1)
-    if rem > half or (rem == half and (h & 1) == 1):
-        h += 1
-    return sign | h
+    return sign | _subnormal_rne(ax, shift)
 
 
 @njit(cache=True)
