@@ -95,8 +95,8 @@ def make_inputs(B, T, P, hd, S, W, seed=0):
     return bank, wi, ww, v, beta, ri, rw, dr
 
 
-def bench_sdm(B, T, P, hd, S, W, C, bw, reps=10, tile=None, threads=256):
-    gpu.TILE_WIDTH, gpu.THREADS = tile, threads
+def bench_sdm(B, T, P, hd, S, W, C, bw, reps=10, tile=None, threads=256, keep=None):
+    gpu.TILE_WIDTH, gpu.THREADS, gpu.KEEP_ROWS = tile, threads, keep
     bank, wi, ww, v, beta, ri, rw, dr = make_inputs(B, T, P, hd, S, W)
     cfg = sdm.SDMConfig(num_memory_slots=S, num_parallel=P, chunk_size=C)
 
@@ -136,16 +136,16 @@ def bench_sdm(B, T, P, hd, S, W, C, bw, reps=10, tile=None, threads=256):
     # the pre-pass alone (bank-independent part of the forward)
     lay = sdm._validate.layout(bank, wi, ww, v, beta, ri, rw, cfg)
     pl = gpu.plan(lay, cfg)
-    t_pre = timeit(lambda: gpu._prepass(lay, pl, np.dtype(np.float32), wi, ww, ri, rw, beta,
-                                        False), reps)
+    t_pre = timeit(lambda: gpu._prepass_sparse(lay, pl, np.dtype(np.float32), wi, ww, ri, rw,
+                                               beta), reps)
     snaps = B * T * P * W * hd * 2
     grad_bank = B * S * P * hd * 4
     outputs = v.nbytes * 2 + ww.nbytes * 2 + beta.nbytes
     f_fwd, f_fb = floors(B, T, P, hd, S, W, C, wi.get(), ri.get())
-    gpu.TILE_WIDTH, gpu.THREADS = None, 256
+    gpu.TILE_WIDTH, gpu.THREADS, gpu.KEEP_ROWS = None, 256, None
     sdm.check_device_errors()
     return dict(B=B, T=T, P=P, hd=hd, S=S, W=W, C=C, tile=tile or "auto", threads=threads,
-                t_prepass_ms=t_pre * 1e3, tile_used=pl.TW,
+                t_prepass_ms=t_pre * 1e3, tile_used=pl.TW, keep=pl.keep,
                 t_fwd_nosnap_ms=t_fwd_ns * 1e3, t_fwd_ms=t_fwd * 1e3, t_fb_ms=t_fb * 1e3,
                 fwd_tok_s=B * T / t_fwd, fb_tok_s=B * T / t_fb,
                 floor_fwd_ms=f_fwd / bw * 1e3, floor_fb_ms=f_fb / bw * 1e3,
@@ -221,6 +221,7 @@ def main():
 
     run("headline")
     run("headline threads=512", threads=512)
+    run("headline rows re-read", keep=False)
     run("headline W=8", W=8)
     if not args.quick:
         run("headline tile=32 threads=512", tile=32, threads=512)

@@ -58,6 +58,13 @@ def per_step(fn, steps, loops=5, warmup=20, name=None):
     return float(np.median(ts))
 
 
+def _raw_copy(src, stream):
+    mem = cp.cuda.alloc(src.nbytes)
+    cp.cuda.runtime.memcpyAsync(mem.ptr, src.data.ptr, src.nbytes,
+                                cp.cuda.runtime.memcpyDeviceToDevice, stream.ptr)
+    return cp.ndarray(src.shape, src.dtype, mem)
+
+
 def breakdown(runner, box, sx, cfg, B, steps=2000):
     """Host time of the pieces of one decode replay (us each)."""
     e = runner._entries[False]
@@ -67,6 +74,8 @@ def breakdown(runner, box, sx, cfg, B, steps=2000):
         "graph launch": lambda: cap.launch(e.forward, stream),
         "readings copy (memcpy)": lambda: cap.copy(e.readings),
         "readings copy (ndarray.copy)": lambda: e.readings.copy(),
+        "cupy.empty alone": lambda: cp.empty(e.readings.shape, dtype=e.readings.dtype),
+        "readings copy (alloc + runtime.memcpyAsync)": lambda: _raw_copy(e.readings, stream),
         "stream.is_capturing": lambda: stream.is_capturing(),
         "settings": lambda: cap.settings(),
     }

@@ -73,7 +73,10 @@ def include_dir() -> str:
 
 
 def options() -> tuple:
-    return ("-std=c++17", f"-I{include_dir()}")
+    """NVRTC options; ``SDM_CUPY_NVRTC_OPTIONS`` (space-separated, e.g. ``-lineinfo`` for a
+    profiler's source view) is appended."""
+    extra = tuple(os.environ.get("SDM_CUPY_NVRTC_OPTIONS", "").split())
+    return ("-std=c++17", f"-I{include_dir()}") + extra
 
 
 def compute_dtype(bank, values):
@@ -122,8 +125,8 @@ def bwd_name(bank, vk, gt, idx, q: int) -> str:
             f"{vec_width(bank)}>")
 
 
-def prepass_name(acc, idx) -> str:
-    return f"sdm::sdm_prepass_kernel<{_t(acc)},{_t(idx)}>"
+def prepass_name(acc, idx, sparse: int) -> str:
+    return f"sdm::sdm_prepass_kernel<{_t(acc)},{_t(idx)},{int(sparse)}>"
 
 
 def batch_names(bank) -> tuple:
@@ -138,7 +141,7 @@ def _value_kinds(bank):
 def _names(src: str, key: tuple) -> list:
     if src == "prepass":
         acc, idx = key
-        return [prepass_name(acc, idx)]
+        return [prepass_name(acc, idx, 0), prepass_name(acc, idx, 1)]
     if src == "batch":
         (bank,) = key
         return list(batch_names(bank))

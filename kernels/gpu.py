@@ -2,8 +2,10 @@
 
 Implements docs/BACKEND_CONTRACT.md. The op is three named launches (SPEC §3-§4):
 
-    forward : sdm_prepass (G, H, Ainv and the sorted slot runs of every chunk, in parallel)
-              -> sdm_fwd  (one block per (b, p, column tile), chunks in order)
+    forward : sdm_prepass<SPARSE=1> (CSR rows of Ainv and H and the write-run links of every
+              chunk, in parallel) -> sdm_fwd (one block per (b, p, column tile), chunks in
+              order, the next chunk's bank-independent data copied ahead with cp.async);
+              one-token chunks (C = 1, decoding) skip the pre-pass: sdm_fwd finds their overlaps
     backward: sdm_prepass (again: recompute instead of store) -> sdm_bwd (chunks last to first,
               rewinding the bank in place)
 
@@ -15,7 +17,8 @@ Safety: ids outside [0, S) are skipped by every kernel (they never address memor
 recorded in one host-mapped int; ``check_device_errors()`` synchronises and reports it.
 
 Process-wide settings the kernels read (a graph runner keys on ``settings()``):
-``TILE_WIDTH`` (None: automatic) forces the width of the column tiles, ``THREADS`` the block size.
+``TILE_WIDTH`` (None: automatic) forces the width of the column tiles, ``THREADS`` the block size,
+``KEEP_ROWS`` (None: automatic) whether the forward keeps its gathered rows in shared memory.
 """
 
 from __future__ import annotations
@@ -35,8 +38,15 @@ __all__ = ["check_config", "sdm_fwd", "sdm_bwd", "expand_memory_batch", "sum_mem
            "check_device_errors", "settings", "plan"]
 
 THREADS = 256               # threads per block (a multiple of 32, at most 512)
+PREPASS_THREADS = 512       # threads per pre-pass block (independent chunks: no order to keep)
+BWD_THREADS = 512           # threads per backward block (None: THREADS)
 MAX_ENTRIES = 4096          # write (or read) entries of one chunk: C*W, sorted in shared memory
 TILE_WIDTH = None           # override of the column-tile width (tests and benchmarks)
+KEEP_ROWS = None            # forward keeps gathered write rows in shared memory (None: when
+                            # that still lets two blocks share a multiprocessor)
+KEEP_SMEM = 110 * 1024      # shared memory per block under which two blocks fit an SM (H100/H200)
+E_STAGE = 512               # CSR entries staged per chunk (kernels/sdm_fwd.cu)
+FUSE_MAX_W = 64             # one-token chunks with W <= this skip the pre-pass launch
 
 _ERRORS = {1: "write_idx values must lie in [0, num_memory_slots)",
            2: "read_idx values must lie in [0, num_memory_slots)"}
@@ -44,7 +54,7 @@ _ERRORS = {1: "write_idx values must lie in [0, num_memory_slots)",
 
 def settings() -> tuple:
     """The process-wide knobs the kernels read (part of a graph runner's key)."""
-    return (TILE_WIDTH, THREADS)
+    return (TILE_WIDTH, THREADS, KEEP_ROWS, PREPASS_THREADS, BWD_THREADS)
 
 
 # ---- the device error word ------------------------------------------------------------------
@@ -94,8 +104,10 @@ class Plan:
     ntile: int
     N: int              # elements per 16-byte piece of a bank row
     smem_pre: int
-    smem_fwd: int
+    smem_fwd: int       # including the kept rows when keep
     smem_bwd: int
+    keep: bool          # the forward keeps its gathered write rows in shared memory
+    CS: int             # bytes per chunk of the CSR column array (C*C rounded up to 16)
 
 
 def _device_limits():
@@ -112,18 +124,30 @@ def _limits_of(dev_id: int):
             cupy.cuda.Device(dev_id).compute_capability)
 
 
-def _smem(C, W, TW, N, acc_size, quant):
+def _r16(x: int) -> int:
+    return (x + 15) & ~15
+
+
+def _smem(C, W, TW, N, acc_size, quant, idx_size=4, val_size=4, bank_size=4):
+    """Shared memory per block of the pre-pass, the forward (without, then with the kept
+    rows) and the backward; the forward's mirrors FwdStage::carve in kernels/sdm_fwd.cu."""
     twp = -(-TW // N) * N
+    tvp = (twp + 7) & ~7
     ld = C + 1
     m2 = 1
     while m2 < 2 * C * W:
         m2 <<= 1
-    pre = m2 * 8 + 3 * C * ld * acc_size + (2 * C * W + C) * 4 + C * C
-    fwd = ((2 * C * ld + 3 * C * twp + C + 2 * C * W) * acc_size + (C * W * 4 if quant else 0)
-           + (5 * C * W + 2 * C) * 4 + 2 * C * C)
+    pre = (m2 * 8 + (3 * C * ld + 2 * C * W + C) * acc_size
+           + (2 * C * W + C + 2 * C + 1 + C + 1) * 4 + C * C)
+    cw = C * W
+    stage = (2 * _r16(cw * acc_size) + _r16(C * acc_size) + _r16(E_STAGE * acc_size)
+             + 2 * _r16(cw * idx_size) + _r16(C * tvp * val_size) + _r16((2 * C + 1) * 4)
+             + _r16(cw * 4) + _r16(E_STAGE))
+    fwd = 2 * stage + 3 * _r16(C * twp * acc_size) + (_r16(cw * 4) if quant else 0)
+    fwd_keep = fwd + cw * twp * bank_size
     bwd = ((3 * C * ld + 5 * C * twp + 2 * C + 4 * C * W) * acc_size + (4 * C * W + 4 * C) * 4
            + 4 * C * C)
-    return pre, fwd, bwd
+    return pre, fwd, fwd_keep, bwd
 
 
 def _tile_width(lay: Layout, N: int, nsm: int) -> int:
@@ -145,11 +169,15 @@ def plan(lay: Layout, config, *, quant=None, limits=None) -> Plan:
             f"the GPU backend sorts a chunk's C*W slot ids in shared memory and supports W <= "
             f"{MAX_ENTRIES}; got W={lay.W}")
     acc = K.compute_dtype(lay.bank_dtype, lay.value_dtype)
+    vk = K.kernel_value_dtype(lay.bank_dtype, lay.value_dtype)
     N = K.vec_width(lay.bank_dtype)
     C = min(lay.C, 64 if acc.itemsize == 4 else 32, MAX_ENTRIES // lay.W, lay.T)
     TW = lay.hd if quant in ("fp8_e4m3", "int8") else _tile_width(lay, N, nsm)
+    sizes = dict(idx_size=np.dtype(lay.index_dtype).itemsize, val_size=vk.itemsize,
+                 bank_size=np.dtype(lay.bank_dtype).itemsize)
     while True:
-        pre, fwd, bwd = _smem(C, lay.W, TW, N, acc.itemsize, quant in ("fp8_e4m3", "int8"))
+        pre, fwd, fwd_keep, bwd = _smem(C, lay.W, TW, N, acc.itemsize,
+                                        quant in ("fp8_e4m3", "int8"), **sizes)
         need = max(pre, fwd) if TW == lay.hd and quant in ("fp8_e4m3", "int8") else max(pre, fwd, bwd)
         if need <= smem_max or C == 1:
             break
@@ -161,7 +189,13 @@ def plan(lay: Layout, config, *, quant=None, limits=None) -> Plan:
             "quantized kernels cannot tile it (one block holds a whole row to find its scale)")
     ntile = -(-lay.hd // TW)
     Nt = -(-lay.T // C)
-    return Plan(C=C, Nt=Nt, TW=TW, ntile=ntile, N=N, smem_pre=pre, smem_fwd=fwd, smem_bwd=bwd)
+    if KEEP_ROWS is None:
+        keep = fwd_keep <= (KEEP_SMEM if fwd <= KEEP_SMEM else smem_max)
+    else:
+        keep = bool(KEEP_ROWS) and fwd_keep <= smem_max
+    return Plan(C=C, Nt=Nt, TW=TW, ntile=ntile, N=N, smem_pre=pre,
+                smem_fwd=fwd_keep if keep else fwd, smem_bwd=bwd, keep=keep,
+                CS=_r16(C * C))
 
 
 def check_config(lay: Layout, config) -> None:
@@ -182,11 +216,11 @@ def _grid(n: int) -> tuple:
     return (n,)
 
 
-def _launch(src, key, name, grid, smem, args):
+def _launch(src, key, name, grid, smem, args, threads=None):
     fn = K.get_function(src, key, name)
     if smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < smem:
         fn.max_dynamic_shared_size_bytes = smem
-    fn(_grid(grid), (THREADS,), args, shared_mem=smem)
+    fn(_grid(grid), (threads or THREADS,), args, shared_mem=smem)
 
 
 def _aligned(x, N) -> bool:
@@ -199,7 +233,7 @@ def _err_array():
 
 
 def _prepass(lay, pl, acc, wi, aw, ri, cw, beta, want_G):
-    """sdm_prepass: G, H, Ainv and the sorted runs of every chunk (SPEC §3, bank-independent)."""
+    """sdm_prepass: dense G, H, Ainv and the sorted runs of every chunk (the backward's form)."""
     import cupy
     nchunk = lay.B * lay.P * pl.Nt
     Ainv = cupy.empty((nchunk, pl.C, pl.C), dtype=acc)
@@ -207,11 +241,29 @@ def _prepass(lay, pl, acc, wi, aw, ri, cw, beta, want_G):
     G = cupy.empty((nchunk, pl.C, pl.C), dtype=acc) if want_G else Ainv
     srt = cupy.empty((nchunk, 2 * pl.C * lay.W), dtype=np.int32)
     key = (acc, lay.index_dtype)
-    _launch("prepass", key, K.prepass_name(acc, lay.index_dtype), nchunk, pl.smem_pre,
+    _launch("prepass", key, K.prepass_name(acc, lay.index_dtype, 0), nchunk, pl.smem_pre,
             (wi, aw, ri, cw, beta, np.int32(lay.T), np.int32(lay.P), np.int32(lay.W),
              np.int64(lay.S), np.int32(pl.C), np.int32(pl.Nt), np.int32(int(want_G)),
-             Ainv, H, G, srt, _err_array()))
+             Ainv, H, G, srt, srt, srt, np.int32(0), _err_array()), PREPASS_THREADS)
     return Ainv, H, (G if want_G else None), srt
+
+
+def _prepass_sparse(lay, pl, acc, wi, aw, ri, cw, beta):
+    """sdm_prepass<SPARSE=1>: the forward's compact form of every chunk: write-run links
+    [nchunk, C*W], CSR row pointers [nchunk, 2C+1], columns [nchunk, CS] (uint8) and values
+    [nchunk, C*C] (rows: strictly lower Ainv, then H)."""
+    import cupy
+    nchunk = lay.B * lay.P * pl.Nt
+    wrun = cupy.empty((nchunk, pl.C * lay.W), dtype=np.int32)
+    ptr = cupy.empty((nchunk, 2 * pl.C + 1), dtype=np.int32)
+    col = cupy.empty((nchunk, pl.CS), dtype=np.uint8)
+    val = cupy.empty((nchunk, pl.C * pl.C), dtype=acc)
+    key = (acc, lay.index_dtype)
+    _launch("prepass", key, K.prepass_name(acc, lay.index_dtype, 1), nchunk, pl.smem_pre,
+            (wi, aw, ri, cw, beta, np.int32(lay.T), np.int32(lay.P), np.int32(lay.W),
+             np.int64(lay.S), np.int32(pl.C), np.int32(pl.Nt), np.int32(0),
+             val, val, val, wrun, ptr, col, np.int32(pl.CS), _err_array()), PREPASS_THREADS)
+    return wrun, ptr, col, val
 
 
 def _snapshot_arrays(lay, mode):
@@ -237,8 +289,13 @@ def sdm_fwd(lay: Layout, config, bank, write_idx, write_w, values, beta, read_id
     acc = K.compute_dtype(lay.bank_dtype, lay.value_dtype)
     vk = K.kernel_value_dtype(lay.bank_dtype, lay.value_dtype)
     v = values if values.dtype == vk else values.astype(vk)
-    Ainv, H, _, srt = _prepass(lay, pl, acc, write_idx, write_w, read_idx, read_w, beta, False)
     out = cupy.empty((lay.B, lay.T, lay.D), dtype=vk)
+    fuse = pl.C == 1 and lay.W <= FUSE_MAX_W
+    if fuse:   # the forward kernel finds a one-token chunk's overlaps itself
+        wrun = sp_ptr = sp_col = sp_val = out
+    else:
+        wrun, sp_ptr, sp_col, sp_val = _prepass_sparse(lay, pl, acc, write_idx, write_w,
+                                                       read_idx, read_w, beta)
     if save_snapshots:
         snap, scale = _snapshot_arrays(lay, mode)
     else:  # never written (save=0); any typed array of the right dtype will do
@@ -246,15 +303,19 @@ def sdm_fwd(lay: Layout, config, bank, write_idx, write_w, values, beta, read_id
     N = pl.N
     vecmask = (int(_aligned(bank, N)) | int(_aligned(v, N)) << 1 | int(_aligned(out, N)) << 2
                | int(_aligned(snap, N)) << 3) if lay.hd % N == 0 else 0
+    sv = np.dtype(vk).itemsize   # values tiles staged with 16-byte copies
+    if v.data.ptr % 16 == 0 and (lay.hd * sv) % 16 == 0 and (pl.TW * sv) % 16 == 0:
+        vecmask |= 32
     q = K.QUANT_CODE[mode]
     key = (lay.bank_dtype, vk, lay.index_dtype)
     _launch("fwd", key, K.fwd_name(lay.bank_dtype, vk, lay.index_dtype, q),
             lay.B * lay.P * pl.ntile, pl.smem_fwd,
-            (bank, write_idx, write_w, v, beta, read_idx, read_w, Ainv, H, srt, out, snap,
-             scale if scale is not None else out, np.int32(lay.T), np.int32(lay.P),
+            (bank, write_idx, write_w, v, beta, read_idx, read_w, sp_ptr, sp_col, sp_val, wrun,
+             out, snap, scale if scale is not None else out, np.int32(lay.T), np.int32(lay.P),
              np.int32(lay.hd), np.int32(lay.W), np.int64(lay.S), np.int32(pl.C),
              np.int32(pl.Nt), np.int32(pl.TW), np.int32(pl.ntile), np.int32(int(save_snapshots)),
-             np.int32(vecmask)))
+             np.int32(vecmask), np.int32(int(pl.keep)), np.int32(pl.CS), np.int32(int(fuse)),
+             _err_array()))
     readings = out if vk == lay.value_dtype else out.astype(lay.value_dtype)
     return readings, ((snap, scale) if save_snapshots else None)
 
@@ -292,7 +353,7 @@ def sdm_bwd(lay: Layout, config, bank, inputs, snapshots, dr, dM):
              scale if scale is not None else d_beta, g, dM, d_aw, d_v, d_beta, d_cw,
              np.int32(lay.T), np.int32(lay.P), np.int32(lay.hd), np.int32(lay.W),
              np.int64(lay.S), np.int32(pl.C), np.int32(pl.Nt), np.int32(pl.TW),
-             np.int32(pl.ntile), np.int32(vecmask)))
+             np.int32(pl.ntile), np.int32(vecmask)), BWD_THREADS)
     if vk != lay.value_dtype:
         d_v = d_v.astype(lay.value_dtype)
     return dM, d_aw, d_v, d_beta, d_cw

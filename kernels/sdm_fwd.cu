@@ -1,14 +1,21 @@
 // Chunked forward of SPEC §3. One block per (b, p, column tile); it walks the chunks of its
 // (b, p) in order and owns its tile of the bank rows, so its scatter needs no atomics.
-// Per chunk (L <= C tokens, matrices from sdm_prepass.cu):
+//
+// Everything of a chunk that does not depend on the bank (ids, weights, beta, the values tile,
+// the write-run links and the CSR rows of Ainv and H from sdm_prepass.cu with SPARSE = 1) is
+// copied into shared memory with cp.async one chunk ahead, while the previous chunk computes;
+// a chunk then costs one round trip to global memory (its gathers) and fire-and-forget stores.
+// Per chunk (L <= C tokens):
 //   gather   X_t = sum_w a_{t,w} M0[i_{t,w}],  Y_t = sum_w c_{t,w} M0[j_{t,w}]   (16-byte pieces)
-//            and, when saving, the snapshot rows M0[i_{t,w}] (quantized for Q > 0)
+//            and, when saving, the snapshot rows M0[i_{t,w}] (quantized for Q > 0); the rows
+//            that head their slot's writes stay in shared memory for the scatter (`keep`)
 //   w0_t     = beta_t (v_t - X_t)
-//   u        = Ainv w0                        (sparse rows of Ainv, built in shared memory)
+//   u_t      = sum_{tau<t} Ainv[t,tau] w0_tau + w0_t        (CSR rows)
 //   r_t      = Y_t + sum_{tau<=t} H[t,tau] u_tau  -> readings
-//   scatter  M[slot] = M0[slot] + sum over the slot's write entries of a_{t,w} u_t, one thread
-//            per (slot, piece): the run head of the slot's sorted entries.
-// Ids outside [0, S) are skipped (the pre-pass flags them).
+//   scatter  M[slot] = M0[slot] + sum over the slot's write entries of a_{t,w} u_t (ascending
+//            entries), one thread per (slot, piece): the entry that heads the slot's writes.
+// Ids outside [0, S) are skipped (the pre-pass flags them). With `fuse` (C == 1, decoding) the
+// kernel finds the token's write-run links and H[0][0] itself and no pre-pass runs.
 
 #include "sdm_common.cuh"
 
@@ -17,87 +24,227 @@ namespace sdm {
 // threads splitting a token's W entries: fixed (not from the tile), so that the summation
 // order, hence the readings, do not depend on the tiling or the snapshot mode
 constexpr int WS_MAX = 4;
-constexpr int SB = 4;   // scatter tasks per thread whose loads are in flight together
-constexpr int F_RUN_HEAD = 1 << 30, F_RUN_BAD = 1 << 29, F_QMASK = (1 << 14) - 1;
+constexpr int SB = 4;        // scatter tasks per thread whose loads are in flight together
+constexpr int E_STAGE = 512; // CSR entries of a chunk staged in shared memory (more: read from L2)
+constexpr int W_HEAD = 1 << 16, W_BAD = 1 << 17, W_NEXT = 0xFFFF;
+
+// ---- asynchronous global -> shared copies (sm_80+; a plain copy before) -------------------
+template <int BYTES>
+__device__ __forceinline__ void cp_async(void* dst, const void* src) {
+#if __CUDA_ARCH__ >= 800
+  const unsigned s = (unsigned)__cvta_generic_to_shared(dst);
+  if constexpr (BYTES == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src));
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(s), "l"(src), "n"(BYTES));
+#else
+  if constexpr (BYTES == 16) *reinterpret_cast<int4*>(dst) = *reinterpret_cast<const int4*>(src);
+  else if constexpr (BYTES == 8) *reinterpret_cast<long long*>(dst) = *reinterpret_cast<const long long*>(src);
+  else *reinterpret_cast<int*>(dst) = *reinterpret_cast<const int*>(src);
+#endif
+}
+__device__ __forceinline__ void cp_commit() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+template <int K>
+__device__ __forceinline__ void cp_wait() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(K));
+#endif
+}
+// one element of 4 or 8 bytes (2-byte elements are copied synchronously)
+template <typename E>
+__device__ __forceinline__ void cp_elem(E* dst, const E* src) {
+  if constexpr (sizeof(E) == 4 || sizeof(E) == 8) cp_async<sizeof(E)>(dst, src);
+  else *dst = *src;
+}
+
+__host__ __device__ constexpr long long r16(long long x) { return (x + 15) & ~15ll; }
+
+// n / d by a multiply: exact for 0 <= n < 2^16 and 1 <= d < 2^15 (the error n * (m - 2^32 / d)
+// / 2^32 < 2^-16 never carries past the next multiple of d); larger n divide plainly.
+struct FastDiv {
+  unsigned m;
+  int d;
+  __device__ explicit FastDiv(int d_) : m(d_ > 1 ? (unsigned)((0x100000000ull + d_ - 1) / d_) : 0u), d(d_) {}
+  __device__ __forceinline__ int div(int n) const {
+    if (d == 1) return n;
+    return n < 65536 && d < 32768 ? (int)__umulhi((unsigned)n, m) : n / d;
+  }
+};
+
+// Shared-memory layout of the forward (kernels/gpu.py's _smem mirrors it: every region is
+// rounded up to 16 bytes, in this order).
+template <typename T, typename V, typename A, typename I>
+struct FwdStage {
+  A* aw; A* cw; A* beta; A* ev; I* wid; I* rid; V* val; int* ptr; int* wrun; unsigned char* ec;
+  __device__ unsigned char* carve(unsigned char* p, int C, int W, int TVP) {
+    aw = reinterpret_cast<A*>(p);    p += r16((long long)C * W * sizeof(A));
+    cw = reinterpret_cast<A*>(p);    p += r16((long long)C * W * sizeof(A));
+    beta = reinterpret_cast<A*>(p);  p += r16((long long)C * sizeof(A));
+    ev = reinterpret_cast<A*>(p);    p += r16((long long)E_STAGE * sizeof(A));
+    wid = reinterpret_cast<I*>(p);   p += r16((long long)C * W * sizeof(I));
+    rid = reinterpret_cast<I*>(p);   p += r16((long long)C * W * sizeof(I));
+    val = reinterpret_cast<V*>(p);   p += r16((long long)C * TVP * sizeof(V));
+    ptr = reinterpret_cast<int*>(p); p += r16((long long)(2 * C + 1) * 4);
+    wrun = reinterpret_cast<int*>(p); p += r16((long long)C * W * 4);
+    ec = p;                          p += r16(E_STAGE);
+    return p;
+  }
+};
 
 template <typename T, typename V, typename A, typename I, int Q, int N>
 __global__ void __launch_bounds__(512)
 sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restrict__ aw,
                const V* __restrict__ vals, const A* __restrict__ beta,
                const I* __restrict__ ri, const A* __restrict__ cw,
-               const A* __restrict__ Ainv_g, const A* __restrict__ H_g,
-               const int* __restrict__ srt_g, V* __restrict__ out,
-               typename Snap<T, Q>::type* __restrict__ snap, float* __restrict__ scale,
+               const int* __restrict__ sp_ptr, const unsigned char* __restrict__ sp_col,
+               const A* __restrict__ sp_val, const int* __restrict__ wrun_g,
+               V* __restrict__ out, typename Snap<T, Q>::type* __restrict__ snap,
+               float* __restrict__ scale,
                int T_, int P, int hd, int W, long long S, int C, int Nt, int TW, int ntile,
-               int save, int vecmask) {
+               int save, int vecmask, int keep, int CS, int fuse, int* err) {
   typedef typename Snap<T, Q>::type ST;
   const int tile = blockIdx.x % ntile, bp = blockIdx.x / ntile, p = bp % P, b = bp / P;
   const int D = P * hd, c0 = tile * TW, tw = min(TW, hd - c0);
-  const int NPC = (tw + N - 1) / N, TWP = ((TW + N - 1) / N) * N, ld = C + 1;
-  const bool vb = vecmask & 1, vv = vecmask & 2, vo = vecmask & 4, vs = vecmask & 8;
+  const int NPC = (tw + N - 1) / N, TWP = ((TW + N - 1) / N) * N, TVP = (TWP + 7) & ~7;
+  const bool vb = vecmask & 1, vo = vecmask & 4, vs = vecmask & 8, v16 = vecmask & 32;
+  constexpr int NV = 16 / sizeof(V);   // values per 16-byte copy
 
   extern __shared__ __align__(16) unsigned char smem[];
-  A* Ai_s = reinterpret_cast<A*>(smem);
-  A* H_s = Ai_s + C * ld;
-  A* X_s = H_s + C * ld;            // X, then w0 = beta (v - X)
-  A* Y_s = X_s + C * TWP;
-  A* U_s = Y_s + C * TWP;
-  A* beta_s = U_s + C * TWP;
-  A* aw_s = beta_s + C;             // the chunk's weights and ids, staged once (-1: a bad id)
-  A* cw_s = aw_s + C * W;
-  float* amax_s = reinterpret_cast<float*>(cw_s + C * W);     // C*W (quantized modes)
-  int* srt_s = reinterpret_cast<int*>(amax_s + (Q > 1 ? C * W : 0));
-  int* pos_s = srt_s + 2 * C * W;
-  int* wid_s = pos_s + C * W;
-  int* rid_s = wid_s + C * W;
-  int* a_cnt = rid_s + C * W;
-  int* h_cnt = a_cnt + C;
-  unsigned char* a_idx = reinterpret_cast<unsigned char*>(h_cnt + C);
-  unsigned char* h_idx = a_idx + C * C;
+  FwdStage<T, V, A, I> st;
+  const long long stage_bytes = st.carve(smem, C, W, TVP) - smem;
+  unsigned char* sp = smem + 2 * stage_bytes;
+  A* X_s = reinterpret_cast<A*>(sp);  sp += r16((long long)C * TWP * sizeof(A));  // w0
+  A* Y_s = reinterpret_cast<A*>(sp);  sp += r16((long long)C * TWP * sizeof(A));
+  A* U_s = reinterpret_cast<A*>(sp);  sp += r16((long long)C * TWP * sizeof(A));
+  float* amax_s = reinterpret_cast<float*>(sp);
+  sp += Q > 1 ? r16((long long)C * W * 4) : 0;
+  T* keep_s = reinterpret_cast<T*>(sp);   // C*W rows of TWP (only when keep)
 
   T* bank_b = bank + (long long)b * S * D + p * hd + c0;
+  const FastDiv divW(W), divNPC(NPC);
+  const int E_cap = min(E_STAGE, C * C);
+
+  // issue the copies of chunk n's bank-independent data into stage s (one commit group)
+  auto stage = [&](int n) {
+    FwdStage<T, V, A, I> g;
+    g.carve(smem + (n & 1) * stage_bytes, C, W, TVP);
+    return g;
+  };
+  auto prefetch = [&](int n) {
+    const FwdStage<T, V, A, I> g = stage(n);
+    const int t0 = n * C, L = min(C, T_ - t0), Ne = L * W;
+    const long long chunk = (long long)bp * Nt + n;
+    const long long tokb = ((long long)b * T_ + t0) * P + p;
+    int t = threadIdx.x / W, w = threadIdx.x % W;   // i = t * W + w, stepped without divisions
+    const int dt = blockDim.x / W, dw = blockDim.x % W;
+    for (int i = threadIdx.x; i < Ne; i += blockDim.x) {
+      const long long off = (tokb + (long long)t * P) * W + w;
+      t += dt;
+      w += dw;
+      if (w >= W) { w -= W; ++t; }
+      cp_elem(g.wid + i, wi + off);
+      cp_elem(g.rid + i, ri + off);
+      cp_elem(g.aw + i, aw + off);
+      cp_elem(g.cw + i, cw + off);
+      if (!fuse) cp_async<4>(g.wrun + i, wrun_g + chunk * C * W + i);
+    }
+    for (int j = threadIdx.x; j < L; j += blockDim.x) cp_elem(g.beta + j, beta + tokb + (long long)j * P);
+    if (!fuse) {
+      for (int i = threadIdx.x; i <= 2 * C; i += blockDim.x)
+        cp_async<4>(g.ptr + i, sp_ptr + chunk * (2 * C + 1) + i);
+      for (int k = threadIdx.x; k < E_cap; k += blockDim.x) cp_elem(g.ev + k, sp_val + chunk * C * C + k);
+      for (int k = threadIdx.x; 4 * k < E_cap; k += blockDim.x)
+        cp_async<4>(g.ec + 4 * k, sp_col + chunk * CS + 4 * k);
+    }
+    const V* vrow = vals + ((long long)b * T_ + t0) * D + p * hd + c0;
+    if (v16) {
+      const int pcs = tw / NV;
+      for (int i = threadIdx.x; i < L * pcs; i += blockDim.x) {
+        const int tt = i / pcs, j = (i % pcs) * NV;
+        cp_async<16>(g.val + tt * TVP + j, vrow + (long long)tt * D + j);
+      }
+    } else {
+      for (int i = threadIdx.x; i < L * tw; i += blockDim.x) {
+        const int tt = i / tw, j = i % tw;
+        cp_elem(g.val + tt * TVP + j, vrow + (long long)tt * D + j);
+      }
+    }
+    cp_commit();
+  };
+
+  int WS = 1;
+  while (WS < WS_MAX && WS * 2 <= W) WS *= 2;
+
+  prefetch(0);
   for (int n = 0; n < Nt; ++n) {
+    const FwdStage<T, V, A, I> g = stage(n);
     const int t0 = n * C, L = min(C, T_ - t0), Ne = L * W;
     const long long chunk = (long long)bp * Nt + n;
     const long long tokb = ((long long)b * T_ + t0) * P + p;     // [B, T, P] row of token t0
-#pragma unroll 4
-    for (int i = threadIdx.x; i < L * C; i += blockDim.x) {
-      const int r = i / C, c = i % C;
-      Ai_s[r * ld + c] = Ainv_g[chunk * C * C + i];
-      H_s[r * ld + c] = H_g[chunk * C * C + i];
-    }
-#pragma unroll 4
-    for (int i = threadIdx.x; i < 2 * Ne; i += blockDim.x) {
-      const int code = srt_g[chunk * 2 * C * W + i];
-      srt_s[i] = code;
-      const int q = code & F_QMASK;
-      if (q < Ne) pos_s[q] = i;
-    }
-    for (int t = threadIdx.x; t < L; t += blockDim.x) beta_s[t] = beta[tokb + (long long)t * P];
-#pragma unroll 4
-    for (int i = threadIdx.x; i < Ne; i += blockDim.x) {
-      const long long off = (tokb + (long long)(i / W) * P) * W + i % W;
-      const I iw = wi[off], ir = ri[off];
-      const bool okw = valid_id(iw, S), okr = valid_id(ir, S);
-      wid_s[i] = okw ? (int)iw : -1;
-      aw_s[i] = okw ? aw[off] : A(0);
-      rid_s[i] = okr ? (int)ir : -1;
-      cw_s[i] = okr ? cw[off] : A(0);
+    if (n + 1 < Nt) {   // the other stage was released by the barrier that ended chunk n - 1
+      prefetch(n + 1);
+      cp_wait<1>();
+    } else {
+      cp_wait<0>();
     }
     if (Q > 1)
       for (int i = threadIdx.x; i < Ne; i += blockDim.x) amax_s[i] = 0.f;
     __syncthreads();
-    build_lists(Ai_s, ld, L, C, a_idx, a_cnt, false);
-    build_lists(H_s, ld, L, C, h_idx, h_cnt, false);
+    if (fuse) {
+      // C == 1 (decoding): the one token's write-run links and H[0][0] = q . k, found here
+      // instead of by a pre-pass launch (W <= 64: W^2 comparisons). No G: Ainv = I.
+      for (int e = threadIdx.x; e < W; e += blockDim.x) {
+        const I id = g.wid[e];
+        int code = W_BAD;
+        if (valid_id(id, S)) {
+          bool head = true;
+          int nxt = 0;
+          for (int e2 = 0; e2 < W; ++e2) {
+            if (e2 == e || g.wid[e2] != id) continue;
+            if (e2 < e) head = false;
+            else if (nxt == 0) nxt = e2 + 1;
+          }
+          code = nxt | (head ? W_HEAD : 0);
+        } else {
+          flag_error(err, 1);
+        }
+        g.wrun[e] = code;
+      }
+      if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
+        A h = A(0);
+        for (int w = lane; w < W; w += 32) {
+          const I jd = g.rid[w];
+          if (!valid_id(jd, S)) { flag_error(err, 2); continue; }
+          const A c = g.cw[w];
+          for (int e2 = W - 1; e2 >= 0; --e2)
+            if (g.wid[e2] == jd) h += c * g.aw[e2];
+        }
+        for (int o = 16; o > 0; o >>= 1) h += __shfl_xor_sync(0xffffffffu, h, o);
+        if (lane == 0) {
+          const int nz = h != A(0);
+          g.ptr[0] = 0;
+          g.ptr[1] = 0;
+          g.ptr[2] = nz;
+          g.ev[0] = h;
+          g.ec[0] = 0;
+        }
+      }
+      __syncthreads();
+    }
+    const int nnz = g.ptr[2 * C];
+    const A* ev = nnz <= E_STAGE ? g.ev : sp_val + chunk * C * C;
+    const unsigned char* ec = nnz <= E_STAGE ? g.ec : sp_col + chunk * CS;
 
-    // gather (every write row once: X and the snapshot; every read row once: Y). WS threads
-    // share a (token, piece) and split its W entries, so that a block keeps many independent
-    // 16-byte loads in flight; their partial sums meet through warp shuffles.
+    // gather (every write row once: X, the snapshot and the kept row; every read row once: Y).
+    // WS threads share a (token, piece) and split its W entries, so that a block keeps many
+    // independent 16-byte loads in flight; their partial sums meet through warp shuffles.
     {
-      const int TP = L * NPC;
-      int WS = 1;
-      while (WS < WS_MAX && WS * 2 <= W) WS *= 2;
-      const int total = TP * WS;
+      const int TP = L * NPC, total = TP * WS;
       for (int base = 0; base < total; base += blockDim.x) {
         const int task = base + threadIdx.x, ws = task % WS, tp = task / WS;
         const bool act = task < total;
@@ -107,20 +254,33 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
 #pragma unroll
         for (int i = 0; i < N; ++i) { x[i] = A(0); y[i] = A(0); }
         if (act) {
+          // a write row and a read row per step, unrolled: eight loads in flight per thread
 #pragma unroll 4
           for (int w = ws; w < W; w += WS) {
-            const long long off = tok * W + w;
-            const int id = wid_s[t * W + w];
-            T m[N];
-            if (id >= 0) load_raw<N>(m, bank_b + (long long)id * D + cc, nv, vb);
+            const int e = t * W + w;
+            const I id = g.wid[e], jd = g.rid[e];
+            const bool ok = valid_id(id, S), okr = valid_id(jd, S);
+            T m[N], mr[N];
+            if (ok) load_raw<N>(m, bank_b + (long long)id * D + cc, nv, vb);
             else {
 #pragma unroll
               for (int i = 0; i < N; ++i) m[i] = From<T>::cvt(0.0f);
             }
-            const A a = aw_s[t * W + w];
+            if (okr) load_raw<N>(mr, bank_b + (long long)jd * D + cc, nv, vb);
+            if (ok) {
+              const A a = g.aw[e];
 #pragma unroll
-            for (int i = 0; i < N; ++i) x[i] = fma_(a, to_acc(m[i], A()), x[i]);
+              for (int i = 0; i < N; ++i) x[i] = fma_(a, to_acc(m[i], A()), x[i]);
+            }
+            if (okr) {
+              const A c = g.cw[e];
+#pragma unroll
+              for (int i = 0; i < N; ++i) y[i] = fma_(c, to_acc(mr[i], A()), y[i]);
+            }
+            if (keep && (g.wrun[e] & (W_HEAD | W_BAD)) == W_HEAD)
+              store_raw<N>(keep_s + (long long)e * TWP + cc, m, N, true);
             if (save) {
+              const long long off = tok * W + w;
               if constexpr (Q == 0) {
                 store_raw<N>(snap + off * hd + c0 + cc, m, nv, vs);
               } else if constexpr (Q == 1) {
@@ -132,19 +292,9 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
                 float mx = 0.f;
 #pragma unroll
                 for (int i = 0; i < N; ++i) mx = fmaxf(mx, fabsf((float)to_acc(m[i], A())));
-                if (id >= 0) atomicMax(reinterpret_cast<int*>(amax_s + t * W + w), __float_as_int(mx));
+                if (ok) atomicMax(reinterpret_cast<int*>(amax_s + e), __float_as_int(mx));
               }
             }
-          }
-#pragma unroll 4
-          for (int w = ws; w < W; w += WS) {
-            const int id = rid_s[t * W + w];
-            if (id < 0) continue;
-            A m[N];
-            load_piece<N>(m, bank_b + (long long)id * D + cc, nv, vb);
-            const A c = cw_s[t * W + w];
-#pragma unroll
-            for (int i = 0; i < N; ++i) y[i] = fma_(c, m[i], y[i]);
           }
         }
         for (int o = 1; o < WS; o <<= 1) {
@@ -154,9 +304,14 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
             y[i] = add_(y[i], __shfl_xor_sync(0xffffffffu, y[i], o));
           }
         }
-        if (act && ws == 0) {
+        if (act && ws == 0) {   // w0 = beta (v - X)
+          const A bt = g.beta[t];
 #pragma unroll
-          for (int i = 0; i < N; ++i) { X_s[t * TWP + cc + i] = x[i]; Y_s[t * TWP + cc + i] = y[i]; }
+          for (int i = 0; i < N; ++i) {
+            const A v = i < nv ? to_acc(g.val[t * TVP + cc + i], A()) : A(0);
+            X_s[t * TWP + cc + i] = mul_(bt, sub_(v, x[i]));
+            Y_s[t * TWP + cc + i] = y[i];
+          }
         }
       }
     }
@@ -168,11 +323,11 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
         const long long tok = tokb + (long long)t * P;
         for (int w = 0; w < W; ++w) {
           const long long off = tok * W + w;
-          const int id = wid_s[t * W + w];
+          const I id = g.wid[t * W + w];
           const float mx = amax_s[t * W + w];
           const float inv = mx > 0.f ? QMax<Q>::v / mx : 0.f;
           A m[N];
-          if (id >= 0) load_piece<N>(m, bank_b + (long long)id * D + cc, nv, vb);
+          if (valid_id(id, S)) load_piece<N>(m, bank_b + (long long)id * D + cc, nv, vb);
           else {
 #pragma unroll
             for (int i = 0; i < N; ++i) m[i] = A(0);
@@ -186,30 +341,20 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
       }
     }
 
-    // w0 = beta (v - X)
-    for (int task = threadIdx.x; task < L * NPC; task += blockDim.x) {
-      const int t = task / NPC, cc = (task % NPC) * N, nv = min(N, tw - cc);
-      A v[N];
-      load_piece<N>(v, vals + ((long long)b * T_ + t0 + t) * D + p * hd + c0 + cc, nv, vv);
-      const A bt = beta_s[t];
-#pragma unroll
-      for (int i = 0; i < N; ++i) X_s[t * TWP + cc + i] = mul_(bt, sub_(v[i], X_s[t * TWP + cc + i]));
-    }
-    __syncthreads();
-    // u = Ainv w0
+    // u = Ainv w0 (unit diagonal last, as a sum in ascending tau)
     for (int task = threadIdx.x; task < L * NPC; task += blockDim.x) {
       const int t = task / NPC, cc = (task % NPC) * N;
       A u[N];
 #pragma unroll
       for (int i = 0; i < N; ++i) u[i] = A(0);
-      for (int k = 0; k < a_cnt[t]; ++k) {
-        const int tau = a_idx[t * C + k];
-        const A g = Ai_s[t * ld + tau];
+      for (int k = g.ptr[t], ke = g.ptr[t + 1]; k < ke; ++k) {
+        const int tau = ec[k];
+        const A a = ev[k];
 #pragma unroll
-        for (int i = 0; i < N; ++i) u[i] = fma_(g, X_s[tau * TWP + cc + i], u[i]);
+        for (int i = 0; i < N; ++i) u[i] = fma_(a, X_s[tau * TWP + cc + i], u[i]);
       }
 #pragma unroll
-      for (int i = 0; i < N; ++i) U_s[t * TWP + cc + i] = u[i];
+      for (int i = 0; i < N; ++i) U_s[t * TWP + cc + i] = add_(u[i], X_s[t * TWP + cc + i]);
     }
     __syncthreads();
     // readings r = Y + H u
@@ -218,50 +363,67 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
       A r[N];
 #pragma unroll
       for (int i = 0; i < N; ++i) r[i] = Y_s[t * TWP + cc + i];
-      for (int k = 0; k < h_cnt[t]; ++k) {
-        const int tau = h_idx[t * C + k];
-        const A h = H_s[t * ld + tau];
+      for (int k = g.ptr[C + t], ke = g.ptr[C + t + 1]; k < ke; ++k) {
+        const int tau = ec[k];
+        const A h = ev[k];
 #pragma unroll
         for (int i = 0; i < N; ++i) r[i] = fma_(h, U_s[tau * TWP + cc + i], r[i]);
       }
       store_piece<N>(out + ((long long)b * T_ + t0 + t) * D + p * hd + c0 + cc, r, nv, vo);
     }
-    // scatter: the run head of each written slot rewrites the row once. A thread takes SB
-    // tasks at a time and issues their row loads before any store (distinct rows: no alias).
-    for (int base = threadIdx.x; base < Ne * NPC; base += SB * blockDim.x) {
-      A m[SB][N];
-      T* row[SB];
-      int pss[SB], ccs[SB], nvs[SB];
+    // scatter: the entry heading each written slot rewrites the row once, adding its run's
+    // a u in ascending entry order. With kept rows a task reads shared memory only; without,
+    // a thread takes SB tasks at a time and issues their row loads before any store (distinct
+    // rows: no alias).
+    auto add_run = [&](A (&m)[N], int e, int cc) {
+      for (int q = e;;) {
+        const A a2 = g.aw[q];
+        const int t2 = divW.div(q);
 #pragma unroll
-      for (int j = 0; j < SB; ++j) {
-        const int task = base + j * blockDim.x;
-        pss[j] = -1;
-        if (task < Ne * NPC) {
-          const int e = task / NPC, ps = pos_s[e], code = srt_s[ps];
-          ccs[j] = (task % NPC) * N;
-          nvs[j] = min(N, tw - ccs[j]);
-          if ((code & F_RUN_HEAD) && !(code & F_RUN_BAD)) {
-            pss[j] = ps;
-            row[j] = bank_b + (long long)wid_s[e] * D + ccs[j];
-            load_piece<N>(m[j], row[j], nvs[j], vb);
+        for (int i = 0; i < N; ++i) m[i] = fma_(a2, U_s[t2 * TWP + cc + i], m[i]);
+        const int nx = g.wrun[q] & W_NEXT;
+        if (nx == 0) break;
+        q = nx - 1;
+      }
+    };
+    if (keep) {
+      for (int task = threadIdx.x; task < Ne * NPC; task += blockDim.x) {
+        const int e = divNPC.div(task);
+        if ((g.wrun[e] & (W_HEAD | W_BAD)) != W_HEAD) continue;
+        const int cc = (task - e * NPC) * N;
+        T kr[N];
+        load_raw<N>(kr, keep_s + (long long)e * TWP + cc, N, true);
+        A m[N];
+#pragma unroll
+        for (int i = 0; i < N; ++i) m[i] = to_acc(kr[i], A());
+        add_run(m, e, cc);
+        store_piece<N>(bank_b + (long long)g.wid[e] * D + cc, m, min(N, tw - cc), vb);
+      }
+    } else {
+      for (int base = threadIdx.x; base < Ne * NPC; base += SB * blockDim.x) {
+        A m[SB][N];
+        T* row[SB];
+        int es[SB], ccs[SB];
+#pragma unroll
+        for (int j = 0; j < SB; ++j) {
+          const int task = base + j * blockDim.x;
+          es[j] = -1;
+          if (task < Ne * NPC) {
+            const int e = divNPC.div(task);
+            if ((g.wrun[e] & (W_HEAD | W_BAD)) == W_HEAD) {
+              es[j] = e;
+              ccs[j] = (task - e * NPC) * N;
+              row[j] = bank_b + (long long)g.wid[e] * D + ccs[j];
+              load_piece<N>(m[j], row[j], min(N, tw - ccs[j]), vb);
+            }
           }
         }
-      }
 #pragma unroll
-      for (int j = 0; j < SB; ++j) {
-        if (pss[j] < 0) continue;
-        const int ps = pss[j], cc = ccs[j];
-        for (int p2 = ps; p2 < 2 * Ne; ++p2) {
-          const int code2 = srt_s[p2];
-          if (p2 > ps && (code2 & F_RUN_HEAD)) break;
-          const int q2 = code2 & F_QMASK;
-          if (q2 >= Ne) break;                    // the slot's reads follow its writes
-          const int t2 = q2 / W;
-          const A a2 = aw_s[q2];
-#pragma unroll
-          for (int i = 0; i < N; ++i) m[j][i] = fma_(a2, U_s[t2 * TWP + cc + i], m[j][i]);
+        for (int j = 0; j < SB; ++j) {
+          if (es[j] < 0) continue;
+          add_run(m[j], es[j], ccs[j]);
+          store_piece<N>(row[j], m[j], min(N, tw - ccs[j]), vb);
         }
-        store_piece<N>(row[j], m[j], nvs[j], vb);
       }
     }
     __syncthreads();
