@@ -220,13 +220,11 @@ def main():
               f"peak {r['peak_mb']:.0f} MB (need {r['need_mb']:.0f})", flush=True)
 
     run("headline")
-    run("headline threads=512", threads=512)
+    run("headline fwd threads=512", threads=512)
     run("headline rows re-read", keep=False)
     run("headline W=8", W=8)
     if not args.quick:
-        run("headline tile=32 threads=512", tile=32, threads=512)
-        run("headline W=8 threads=512", W=8, threads=512)
-        for tile in (32, 64):
+        for tile in (8, 32, 64):
             run(f"headline tile={tile}", tile=tile)
         for S in (4096, 65536, 262144, 1 << 20):
             run(f"S={S}", S=S)
