@@ -150,18 +150,18 @@ def _smem(C, W, TW, N, acc_size, quant, idx_size=4, val_size=4, bank_size=4):
     return pre, fwd, fwd_keep, bwd
 
 
-def _tile_width(lay: Layout, N: int, nsm: int) -> int:
+def _tile_width(lay: Layout, N: int, nsm: int, per_sm: int = 2) -> int:
     if TILE_WIDTH is not None:   # rounded up to whole pieces: tiles start 16-byte aligned
         return min(lay.hd, -(-max(1, int(TILE_WIDTH)) // N) * N)
     pieces = -(-lay.hd // N)
     ntile = 1
-    # enough blocks for two per multiprocessor, while a tile keeps at least 2 pieces
-    while lay.B * lay.P * ntile < 2 * nsm and -(-pieces // (ntile * 2)) >= 2:
+    # enough blocks for `per_sm` per multiprocessor, while a tile keeps at least 2 pieces
+    while lay.B * lay.P * ntile < per_sm * nsm and -(-pieces // (ntile * 2)) >= 2:
         ntile *= 2
     return min(lay.hd, -(-pieces // ntile) * N)
 
 
-def plan(lay: Layout, config, *, quant=None, limits=None) -> Plan:
+def plan(lay: Layout, config, *, quant=None, limits=None, backward=False) -> Plan:
     """Chunk and tile sizes of a call; raises UnsupportedConfigurationError when nothing fits."""
     nsm, smem_max, _ = limits or _device_limits()
     if lay.W > MAX_ENTRIES:
@@ -172,7 +172,10 @@ def plan(lay: Layout, config, *, quant=None, limits=None) -> Plan:
     vk = K.kernel_value_dtype(lay.bank_dtype, lay.value_dtype)
     N = K.vec_width(lay.bank_dtype)
     C = min(lay.C, 64 if acc.itemsize == 4 else 32, MAX_ENTRIES // lay.W, lay.T)
-    TW = lay.hd if quant in ("fp8_e4m3", "int8") else _tile_width(lay, N, nsm)
+    # the backward's block holds about twice the forward's state: its tiles are twice as wide
+    # (one block per multiprocessor; benchmarks/RESULTS.md, GPU run 3)
+    TW = lay.hd if quant in ("fp8_e4m3", "int8") else _tile_width(lay, N, nsm,
+                                                                   1 if backward else 2)
     sizes = dict(idx_size=np.dtype(lay.index_dtype).itemsize, val_size=vk.itemsize,
                  bank_size=np.dtype(lay.bank_dtype).itemsize)
     while True:
@@ -327,7 +330,7 @@ def sdm_bwd(lay: Layout, config, bank, inputs, snapshots, dr, dM):
     import cupy
     write_idx, write_w, values, beta, read_idx, read_w = inputs
     mode = config.snapshot_quant
-    pl = plan(lay, config, quant=None)   # the backward tiles freely (scales are stored)
+    pl = plan(lay, config, quant=None, backward=True)   # tiles freely (scales are stored)
     acc = K.compute_dtype(lay.bank_dtype, lay.value_dtype)
     vk = K.kernel_value_dtype(lay.bank_dtype, lay.value_dtype)
     v = values if values.dtype == vk else values.astype(vk)
