@@ -2,7 +2,24 @@
 
 Kernels and the SPEC steps they implement
 -----------------------------------------
-``sdm_fwd_kernel`` (``cpu_fwd``, SPEC §3), ``prange`` over blocks of the B·P (batch, head)
+``sdm_fwd_seq_kernel`` (``cpu_fwd``, SPEC §2), the forward of float32/float64 banks: the
+recurrence itself, token by token, with no G, H or substitution. ``prange`` over blocks of
+(b, group of heads): one group holds all P heads of b unless the B blocks do not split evenly
+over the threads (``_groups``). A worker owns its heads' S×hd blocks, so it needs no atomics,
+and per token it runs each phase over all heads of the group: pred_t = k_t·M (the W rows
+summed 8 at a time per pass over the columns, in w order), u_t = β_t(v_t − pred_t) and the
+scatter M[i] += a u_t in w order, then r_t = q_t·M. With snapshots, each chunk of C tokens
+first copies the rows its write entries will change (the bank holds M0 then: exactly the rows
+of step 1 below, so the backward is the same); without (``needs_backward=False``) there is no
+snapshot work at all. Rows of token t+2 are prefetched (``PREFETCH_SEQ``, to L2:
+``PREFETCH_LOC``). On a CPU the chunked form costs more than it saves: one worker walks the
+tokens of a head in order anyway, and the recurrence touches each row while it is hot (the
+scatter hits rows just gathered) with no slot table or overlap matrices (SPEC §3's chunk is for
+parallel tokens; §2 says C changes results only by rounding). It is bitwise the same with and
+without snapshots and for every snapshot mode.
+
+``sdm_fwd_kernel`` (``cpu_fwd``, SPEC §3), the chunked forward, used for 16-bit banks (it
+rounds each written row once per chunk, not once per token). ``prange`` over blocks of the B·P (batch, head)
 pairs; the worker of a head owns its S×hd block (bank columns p*hd:(p+1)*hd, rows
 b*S:(b+1)*S) and walks the chunks in order, so its scatters need no atomics. Per chunk of
 L <= C tokens starting at t0 (n = L·W entries; the helpers live in ``cpu_chunk``):
@@ -35,7 +52,9 @@ accumulator, compute dtype) as it is at the chunk's end:
    terms. Writes da, dc.
 6. dM[i_{t,w}] += a_{t,w} dX_t, dM[j_{t,w}] += c_{t,w} dr_t (after 2 and 5 read the old dM).
 
-Speed: the kernels are bound by rows gathered at random slots (most of them cold in cache);
+Speed: the kernels are bound by rows gathered at random slots (most of them cold in cache:
+on the benchmark shape the 16 MiB bank does not stay cached between touches, and a head's
+256-B pieces 1 KiB apart use a quarter of the L2's sets);
 ``cpu_prefetch`` requests the rows of token t+2 while token t is processed. Hot loops index
 rows (``A[i, k]``) instead of slicing them: every array view costs atomic reference-count
 updates, which the two workers then fight over. The column index of every row loop is
@@ -76,14 +95,14 @@ import numpy as np
 
 from .cpu_bwd import sdm_bwd_kernel
 from .cpu_formats import FMT_BF16, FMT_F16, FMT_NATIVE, SNAP_CODES, SNAP_EXACT, SNAP_OFF
-from .cpu_fwd import sdm_fwd_kernel
+from .cpu_fwd import sdm_fwd_kernel, sdm_fwd_seq_kernel
 from . import cpu_cache
 
 # Kernels load their on-disk cache at their first call, so this still comes first.
 cpu_cache.drop_stale()
 
 __all__ = ["check_config", "sdm_fwd", "sdm_bwd", "expand_memory_batch", "sum_memory_batch",
-           "sdm_fwd_kernel", "sdm_bwd_kernel", "CHUNK_CAP"]
+           "sdm_fwd_kernel", "sdm_fwd_seq_kernel", "sdm_bwd_kernel", "CHUNK_CAP"]
 
 #: Chunks longer than this are split: the per-worker L×L overlap matrices stay small.
 CHUNK_CAP = 256
@@ -109,6 +128,17 @@ def _blocks(heads: int) -> int:
     """Blocks of heads for the prange: a few per thread (balance) but not one per head (each
     block allocates its scratch once: decode calls have many heads and little work each)."""
     return max(1, min(heads, 4 * numba.get_num_threads()))
+
+
+def _groups(B: int, P: int) -> int:
+    """Head groups per batch element for the native forward: one group (all P heads of b,
+    interleaved token by token) when the B blocks split evenly over the threads, else the
+    fewest groups that do (or one per head)."""
+    n = numba.get_num_threads()
+    for ng in range(1, P + 1):
+        if (B * ng) % n == 0:
+            return ng
+    return P
 
 
 def _chunk(lay) -> int:
@@ -195,9 +225,14 @@ def sdm_fwd(lay, config, bank, write_idx, write_w, values, beta, read_idx, read_
     nat, u16, u8, sc = _snapshot_arrays(lay, bank_k, snapshots, mode)
     bad = np.zeros((B * P, 2), np.int64)
     with _LOCK:
-        sdm_fwd_kernel(bank_k, fmt, wi, a, v.reshape(B * T, lay.D), be, ri, c,
-                       r.reshape(B * T, lay.D), S, P, hd, _chunk(lay), mode, nat, u16, u8, sc,
-                       bad, _blocks(B * P))
+        if fmt == FMT_NATIVE:
+            sdm_fwd_seq_kernel(bank_k, wi, a, v.reshape(B * T, lay.D), be, ri, c,
+                               r.reshape(B * T, lay.D), S, P, hd, _chunk(lay), mode, nat, u16,
+                               u8, sc, bad, _groups(B, P))
+        else:
+            sdm_fwd_kernel(bank_k, fmt, wi, a, v.reshape(B * T, lay.D), be, ri, c,
+                           r.reshape(B * T, lay.D), S, P, hd, _chunk(lay), mode, nat, u16, u8,
+                           sc, bad, _blocks(B * P))
     if bad.any():
         _raise_bad_ids(bad, lay, wi, ri)
     readings = r if r.dtype == lay.value_dtype else r.astype(lay.value_dtype)

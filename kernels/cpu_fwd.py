@@ -1,5 +1,6 @@
-"""Forward kernel of the Numba CPU backend (SPEC §3); the step-by-step map is in the
-docstring of ``sdm_cupy.kernels.cpu``."""
+"""Forward kernels of the Numba CPU backend: the token-by-token recurrence (SPEC §2) for
+float32/float64 banks and the chunked form (SPEC §3) for 16-bit banks; the step-by-step map
+is in the docstring of ``sdm_cupy.kernels.cpu``."""
 
 from __future__ import annotations
 
@@ -11,7 +12,12 @@ from .cpu_chunk import (build_overlaps, entry_tokens,
                         hash_clear, hash_scratch, overlap_scratch, scratch, snapshot_row,
                         substitute)
 from .cpu_formats import FMT_NATIVE, SNAP_EXACT, SNAP_OFF, quantize_row, store_row
-from .cpu_prefetch import PREFETCH_TOKENS, prefetch_token_rows
+from .cpu_prefetch import PREFETCH_TOKENS, _prefetch_level, prefetch_token_rows
+
+#: tokens ahead whose rows the native (token-by-token) forward prefetches; 0: none
+PREFETCH_SEQ = 2
+#: its locality hint (see ``cpu_prefetch._prefetch_level``)
+PREFETCH_LOC = 1
 
 
 @njit(cache=True)
@@ -135,3 +141,202 @@ def sdm_fwd_kernel(bank, fmt, wi, a, v, beta, ri, c, r, S, P, hd, C, mode, snap_
     for blk in prange(nblocks):
         _fwd_heads(blk * nbp // nblocks, (blk + 1) * nbp // nblocks, bank, fmt, wi, a, v, beta,
                    ri, c, r, S, P, hd, C, mode, snap_nat, snap_u16, snap_u8, scales, bad)
+
+
+# ------------------------------------------------------- native banks: the recurrence itself
+
+@njit(cache=True)
+def _seq_snapshots(b, p0, p1, t0, t1, bank, wi, S, P, hd, mode, snap_nat, snap_u16, snap_u8,
+                   scales, tmp, u32, f32v):
+    """Snapshot rows of the write entries of tokens t0..t1-1 (one chunk), heads p0..p1-1,
+    taken before the chunk runs: the bank rows are M0 (SPEC §3), repeated slots included."""
+    uhd = np.uint64(hd)
+    T, W = wi.shape[1], wi.shape[3]
+    row0 = b * S
+    for t in range(t0, t1):
+        for p in range(p0, p1):
+            uc0 = np.uint64(p * hd)
+            for w in range(W):
+                srow = snapshot_row(b, p, t, w, P, T, W)
+                s = wi[b, t, p, w]
+                ok = s >= 0 and s < S
+                if mode == SNAP_EXACT:
+                    if ok:
+                        for k in range(uhd):
+                            snap_nat[srow, k] = bank[row0 + s, uc0 + k]
+                    else:
+                        for k in range(uhd):
+                            snap_nat[srow, k] = 0
+                    continue
+                if ok:
+                    for k in range(uhd):
+                        tmp[0, k] = bank[row0 + s, uc0 + k]
+                else:
+                    for k in range(uhd):
+                        tmp[0, k] = 0
+                quantize_row(tmp, 0, hd, mode, srow, snap_u16, snap_u8, scales, u32, f32v)
+
+
+@njit(cache=True)
+def _seq_group(b, p0, p1, bank, wi, a, v, beta, ri, c, r, S, P, hd, C, mode, snap_nat,
+               snap_u16, snap_u8, scales, bad):
+    """Heads p0..p1-1 of batch element b, token by token (SPEC §2). Native banks only
+    (float32/float64 storage). Per token, the phases run over all heads of the group: every
+    head's pred = k_t·M gathers, then every head's u and scatter, then every head's readings,
+    so that the row loads of one phase do not wait behind the stores of another head. With
+    snapshots, each chunk of C tokens first stores the rows M0[i] its write entries will
+    change (``_seq_snapshots``)."""
+    uhd = np.uint64(hd)
+    B, T, _, W = wi.shape
+    dt = a.dtype
+    G = p1 - p0
+    X = np.empty((G, hd), dt)
+    wrow = np.empty((G, W), np.int64)          # valid write entries of the token, per head
+    wwt = np.empty((G, W), dt)
+    wcnt = np.zeros(G, np.int64)
+    rrow = np.empty(W, np.int64)
+    rwt = np.empty(W, dt)
+    tmp = np.empty((1, hd), dt)
+    u32 = np.empty(hd, np.uint32)
+    f32v = u32.view(np.float32)
+    row0 = b * S
+    step = max(1, 64 // bank.itemsize)           # bank values per cache line
+    badw = 0
+    badr = 0
+    for t0 in range(0, T, C):
+        t1 = min(T, t0 + C)
+        if mode != SNAP_OFF:
+            _seq_snapshots(b, p0, p1, t0, t1, bank, wi, S, P, hd, mode, snap_nat, snap_u16,
+                           snap_u8, scales, tmp, u32, f32v)
+        for t in range(t0, t1):
+            if PREFETCH_SEQ > 0:
+                tp = t + PREFETCH_SEQ
+                if tp < T:
+                    for p in range(p0, p1):
+                        c0 = p * hd
+                        for w in range(W):
+                            s = wi[b, tp, p, w]
+                            if s >= 0 and s < S:
+                                for off in range(0, hd, step):
+                                    _prefetch_level(bank, row0 + s, c0 + off, PREFETCH_LOC)
+                            s = ri[b, tp, p, w]
+                            if s >= 0 and s < S:
+                                for off in range(0, hd, step):
+                                    _prefetch_level(bank, row0 + s, c0 + off, PREFETCH_LOC)
+            vr = b * T + t
+            # 1. pred = k_t·M for every head, summed in w order (X starts at 0). Rows go in
+            # groups of 8 or 4 per pass over the columns: the same additions in the same order
+            # as one row at a time, but X is loaded and stored once per group
+            for g in range(G):
+                p = p0 + g
+                uc0 = np.uint64(p * hd)
+                n = 0
+                for w in range(W):
+                    s = wi[b, t, p, w]
+                    if s < 0 or s >= S:
+                        badw += 1
+                        continue
+                    wrow[g, n] = row0 + s
+                    wwt[g, n] = a[b, t, p, w]
+                    n += 1
+                wcnt[g] = n
+                for k in range(uhd):
+                    X[g, k] = 0
+                j = 0
+                while j + 8 <= n:
+                    r0, r1, r2, r3 = wrow[g, j], wrow[g, j + 1], wrow[g, j + 2], wrow[g, j + 3]
+                    r4, r5, r6, r7 = wrow[g, j + 4], wrow[g, j + 5], wrow[g, j + 6], wrow[g, j + 7]
+                    a0, a1, a2, a3 = wwt[g, j], wwt[g, j + 1], wwt[g, j + 2], wwt[g, j + 3]
+                    a4, a5, a6, a7 = wwt[g, j + 4], wwt[g, j + 5], wwt[g, j + 6], wwt[g, j + 7]
+                    for k in range(uhd):
+                        ck = uc0 + k
+                        X[g, k] = (((((((X[g, k] + a0 * bank[r0, ck]) + a1 * bank[r1, ck])
+                                       + a2 * bank[r2, ck]) + a3 * bank[r3, ck])
+                                     + a4 * bank[r4, ck]) + a5 * bank[r5, ck])
+                                   + a6 * bank[r6, ck]) + a7 * bank[r7, ck]
+                    j += 8
+                if j + 4 <= n:
+                    r0, r1, r2, r3 = wrow[g, j], wrow[g, j + 1], wrow[g, j + 2], wrow[g, j + 3]
+                    a0, a1, a2, a3 = wwt[g, j], wwt[g, j + 1], wwt[g, j + 2], wwt[g, j + 3]
+                    for k in range(uhd):
+                        ck = uc0 + k
+                        X[g, k] = (((X[g, k] + a0 * bank[r0, ck]) + a1 * bank[r1, ck])
+                                   + a2 * bank[r2, ck]) + a3 * bank[r3, ck]
+                    j += 4
+                while j < n:
+                    r0 = wrow[g, j]
+                    a0 = wwt[g, j]
+                    for k in range(uhd):
+                        X[g, k] += a0 * bank[r0, uc0 + k]
+                    j += 1
+            # 2. u = β (v − pred) (in X), M[i] += a u in w order (repeats accumulate)
+            for g in range(G):
+                p = p0 + g
+                uc0 = np.uint64(p * hd)
+                bt = beta[b, t, p]
+                for k in range(uhd):
+                    X[g, k] = bt * (v[vr, uc0 + k] - X[g, k])
+                for j in range(wcnt[g]):
+                    rb = wrow[g, j]
+                    aw = wwt[g, j]
+                    for k in range(uhd):
+                        bank[rb, uc0 + k] += aw * X[g, k]
+            # 3. r_t = q_t·M after the write, summed like pred
+            for g in range(G):
+                p = p0 + g
+                uc0 = np.uint64(p * hd)
+                n = 0
+                for w in range(W):
+                    s = ri[b, t, p, w]
+                    if s < 0 or s >= S:
+                        badr += 1
+                        continue
+                    rrow[n] = row0 + s
+                    rwt[n] = c[b, t, p, w]
+                    n += 1
+                for k in range(uhd):
+                    X[g, k] = 0
+                j = 0
+                while j + 8 <= n:
+                    r0, r1, r2, r3 = rrow[j], rrow[j + 1], rrow[j + 2], rrow[j + 3]
+                    r4, r5, r6, r7 = rrow[j + 4], rrow[j + 5], rrow[j + 6], rrow[j + 7]
+                    a0, a1, a2, a3 = rwt[j], rwt[j + 1], rwt[j + 2], rwt[j + 3]
+                    a4, a5, a6, a7 = rwt[j + 4], rwt[j + 5], rwt[j + 6], rwt[j + 7]
+                    for k in range(uhd):
+                        ck = uc0 + k
+                        X[g, k] = (((((((X[g, k] + a0 * bank[r0, ck]) + a1 * bank[r1, ck])
+                                       + a2 * bank[r2, ck]) + a3 * bank[r3, ck])
+                                     + a4 * bank[r4, ck]) + a5 * bank[r5, ck])
+                                   + a6 * bank[r6, ck]) + a7 * bank[r7, ck]
+                    j += 8
+                if j + 4 <= n:
+                    r0, r1, r2, r3 = rrow[j], rrow[j + 1], rrow[j + 2], rrow[j + 3]
+                    a0, a1, a2, a3 = rwt[j], rwt[j + 1], rwt[j + 2], rwt[j + 3]
+                    for k in range(uhd):
+                        ck = uc0 + k
+                        X[g, k] = (((X[g, k] + a0 * bank[r0, ck]) + a1 * bank[r1, ck])
+                                   + a2 * bank[r2, ck]) + a3 * bank[r3, ck]
+                    j += 4
+                while j < n:
+                    r0 = rrow[j]
+                    a0 = rwt[j]
+                    for k in range(uhd):
+                        X[g, k] += a0 * bank[r0, uc0 + k]
+                    j += 1
+                for k in range(uhd):
+                    r[vr, uc0 + k] = X[g, k]
+    bad[b * P + p0, 0] = badw            # the group's counts go to its first head's row
+    bad[b * P + p0, 1] = badr
+
+
+@njit(parallel=True, cache=True)
+def sdm_fwd_seq_kernel(bank, wi, a, v, beta, ri, c, r, S, P, hd, C, mode, snap_nat, snap_u16,
+                       snap_u8, scales, bad, ngroups):
+    """SPEC §2 for native banks; ``prange`` over (b, group of ``P // ngroups`` heads). v, r
+    are [B*T, D]; ``bad`` [B*P, 2] gets the counts of ids outside [0, S) (only its sums
+    mean anything) and must be zero on entry."""
+    nblk = wi.shape[0] * ngroups
+    for blk in prange(nblk):
+        b, g = blk // ngroups, blk % ngroups
+        _seq_group(b, g * P // ngroups, (g + 1) * P // ngroups, bank, wi, a, v, beta, ri, c,
+                   r, S, P, hd, C, mode, snap_nat, snap_u16, snap_u8, scales, bad)

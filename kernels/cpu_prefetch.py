@@ -52,6 +52,32 @@ def _prefetch(typingctx, arr, row, col, write):
     return sig, codegen
 
 
+@intrinsic
+def _prefetch_level(typingctx, arr, row, col, locality):
+    """Read prefetch of the cache line of arr[row, col] (2-D array) with LLVM's locality hint
+    (3: prefetcht0, 2: prefetcht1, 1: prefetcht2, 0: prefetchnta on x86)."""
+    if not isinstance(arr, types.Array) or arr.ndim != 2:
+        return None
+    if not isinstance(locality, types.IntegerLiteral):
+        return None
+    loc = int(locality.literal_value)
+    sig = types.void(arr, types.intp, types.intp, locality)
+
+    def codegen(context, builder, signature, args):
+        aryty = signature.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1], args[2]],
+                                       wraparound=False)
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, _PREFETCH_NAME)
+        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(loc), i32(1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 @njit(cache=True)
 def prefetch_token_rows(arr, idx, b, t, p, W, S, row0, c0, hd, write):
     """Prefetch arr[row0 + idx[b, t, p, w], c0:c0+hd] for every w (token t of idx
