@@ -85,3 +85,15 @@ def test_all_kernels_compile_for_sm90():
             assert len(lowered) == len(names)
             assert cubin_size > 0, src
             assert "warning" not in log.lower(), f"{src} {names[0]}: {log[:3000]}"
+
+
+def test_forward_compiles_for_sm75_without_cp_async():
+    """Before sm_80 the forward stages its next chunk with plain copies (no cp.async): that
+    branch of sdm_fwd.cu and the sparse pre-pass compile too (one dtype key each)."""
+    key = (_build.BFLOAT16, _build.BFLOAT16, _build.I32)
+    for src, k in (("fwd", key), ("prepass", (_build.F32, _build.I32))):
+        names = _build._names(src, k)
+        log, lowered, size = _compile(src, _build.source(src), _build.options(), names,
+                                      arch="sm_75")
+        assert len(lowered) == len(names) and size > 0
+        assert "warning" not in log.lower(), log[:3000]
