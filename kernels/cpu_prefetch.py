@@ -26,16 +26,8 @@ _PREFETCH_NAME = "llvm.prefetch.p0" if llvm.llvm_version_info[0] >= 17 else "llv
 PREFETCH_TOKENS = 2
 
 
-@intrinsic
-def _prefetch(typingctx, arr, row, col, write):
-    """Prefetch the cache line of arr[row, col] (2-D array) into all cache levels."""
-    if not isinstance(arr, types.Array) or arr.ndim != 2:
-        return None
-    if not isinstance(write, types.IntegerLiteral):
-        return None
-    rw = int(write.literal_value)
-    sig = types.void(arr, types.intp, types.intp, write)
-
+def _codegen(rw: int, locality: int):
+    """Codegen of llvm.prefetch(&arr[row, col], rw, locality, data cache) for a 2-D array."""
     def codegen(context, builder, signature, args):
         aryty = signature.args[0]
         ary = context.make_array(aryty)(context, builder, args[0])
@@ -45,11 +37,21 @@ def _prefetch(typingctx, arr, row, col, write):
         i32 = ir.IntType(32)
         fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
         fn = cgutils.get_or_insert_function(builder.module, fnty, _PREFETCH_NAME)
-        # (address, rw, locality 3 = keep in all levels, cache type 1 = data)
-        builder.call(fn, [builder.bitcast(ptr, i8p), i32(rw), i32(3), i32(1)])
+        builder.call(fn, [builder.bitcast(ptr, i8p), i32(rw), i32(locality), i32(1)])
         return context.get_dummy_value()
 
-    return sig, codegen
+    return codegen
+
+
+@intrinsic
+def _prefetch(typingctx, arr, row, col, write):
+    """Prefetch the cache line of arr[row, col] (2-D array) into all cache levels."""
+    if not isinstance(arr, types.Array) or arr.ndim != 2:
+        return None
+    if not isinstance(write, types.IntegerLiteral):
+        return None
+    # (rw, locality 3 = keep in all levels)
+    return types.void(arr, types.intp, types.intp, write), _codegen(int(write.literal_value), 3)
 
 
 @intrinsic
@@ -60,22 +62,8 @@ def _prefetch_level(typingctx, arr, row, col, locality):
         return None
     if not isinstance(locality, types.IntegerLiteral):
         return None
-    loc = int(locality.literal_value)
-    sig = types.void(arr, types.intp, types.intp, locality)
-
-    def codegen(context, builder, signature, args):
-        aryty = signature.args[0]
-        ary = context.make_array(aryty)(context, builder, args[0])
-        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1], args[2]],
-                                       wraparound=False)
-        i8p = ir.IntType(8).as_pointer()
-        i32 = ir.IntType(32)
-        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, _PREFETCH_NAME)
-        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(loc), i32(1)])
-        return context.get_dummy_value()
-
-    return sig, codegen
+    return (types.void(arr, types.intp, types.intp, locality),
+            _codegen(0, int(locality.literal_value)))
 
 
 @njit(cache=True)
