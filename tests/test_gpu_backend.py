@@ -102,6 +102,21 @@ def test_forward_kept_rows_and_staged_entries(rng, keep_rows, S, dtype):
     assert_close(outs[0][1], fin_ref, tol, "final bank")
 
 
+@pytest.mark.parametrize("W", [3, 40, 64, 80], ids=lambda w: f"W{w}")
+def test_one_token_chunks_match_reference(rng, W):
+    """C = 1 (decoding): up to W = 64 the forward finds a token's overlaps itself (W > 32 puts
+    two read entries on a lane of its H[0][0] sum); W = 80 goes through the pre-pass."""
+    pb = make_problem(rng, B=2, T=6, P=2, hd=12, S=20, W=W)
+    dr = rng.normal(size=pb.values.shape)
+    (r, fin), grads, rewound = _run(pb, _cfg(pb, 1), dr, None)
+    r_ref, fin_ref = reference_fwd(pb)
+    assert_close(r, r_ref, 1e-9, "readings")
+    assert_close(fin, fin_ref, 1e-9, "final bank")
+    for name, got, want in zip(GRADS, grads, reference_bwd(pb, dr, None)):
+        assert_close(got, want, 1e-9, f"grad {name}")
+    assert np.array_equal(rewound, pb.bank)
+
+
 def test_gpu_agrees_with_cpu_float32(rng):
     pb = make_problem(rng, B=2, T=130, P=4, hd=32, S=512, W=8, dtype=np.float32)
     dr = rng.normal(size=pb.values.shape).astype(np.float32)
