@@ -177,6 +177,42 @@ def _seq_snapshots(b, p0, p1, t0, t1, bank, wi, S, P, hd, mode, snap_nat, snap_u
                 quantize_row(tmp, 0, hd, mode, srow, snap_u16, snap_u8, scales, u32, f32v)
 
 
+@njit(cache=True, inline="always")
+def _rows_dot(X, g, bank, rows, wts, q, n, uc0, uhd):
+    """X[g] = sum_j wts[q, j] * bank[rows[q, j], uc0:uc0+hd] for j < n, summed in j order. Rows
+    go 8 or 4 per pass over the columns: the same additions in the same order as one row at a
+    time, but X[g] is loaded and stored once per group."""
+    for k in range(uhd):
+        X[g, k] = 0
+    j = 0
+    while j + 8 <= n:
+        r0, r1, r2, r3 = rows[q, j], rows[q, j + 1], rows[q, j + 2], rows[q, j + 3]
+        r4, r5, r6, r7 = rows[q, j + 4], rows[q, j + 5], rows[q, j + 6], rows[q, j + 7]
+        a0, a1, a2, a3 = wts[q, j], wts[q, j + 1], wts[q, j + 2], wts[q, j + 3]
+        a4, a5, a6, a7 = wts[q, j + 4], wts[q, j + 5], wts[q, j + 6], wts[q, j + 7]
+        for k in range(uhd):
+            ck = uc0 + k
+            X[g, k] = (((((((X[g, k] + a0 * bank[r0, ck]) + a1 * bank[r1, ck])
+                           + a2 * bank[r2, ck]) + a3 * bank[r3, ck])
+                         + a4 * bank[r4, ck]) + a5 * bank[r5, ck])
+                       + a6 * bank[r6, ck]) + a7 * bank[r7, ck]
+        j += 8
+    if j + 4 <= n:
+        r0, r1, r2, r3 = rows[q, j], rows[q, j + 1], rows[q, j + 2], rows[q, j + 3]
+        a0, a1, a2, a3 = wts[q, j], wts[q, j + 1], wts[q, j + 2], wts[q, j + 3]
+        for k in range(uhd):
+            ck = uc0 + k
+            X[g, k] = (((X[g, k] + a0 * bank[r0, ck]) + a1 * bank[r1, ck])
+                       + a2 * bank[r2, ck]) + a3 * bank[r3, ck]
+        j += 4
+    while j < n:
+        r0 = rows[q, j]
+        a0 = wts[q, j]
+        for k in range(uhd):
+            X[g, k] += a0 * bank[r0, uc0 + k]
+        j += 1
+
+
 @njit(cache=True)
 def _seq_group(b, p0, p1, bank, wi, a, v, beta, ri, c, r, S, P, hd, C, mode, snap_nat,
                snap_u16, snap_u8, scales, bad):
@@ -194,8 +230,8 @@ def _seq_group(b, p0, p1, bank, wi, a, v, beta, ri, c, r, S, P, hd, C, mode, sna
     wrow = np.empty((G, W), np.int64)          # valid write entries of the token, per head
     wwt = np.empty((G, W), dt)
     wcnt = np.zeros(G, np.int64)
-    rrow = np.empty(W, np.int64)
-    rwt = np.empty(W, dt)
+    rrow = np.empty((1, W), np.int64)        # valid read entries of the token (one head)
+    rwt = np.empty((1, W), dt)
     tmp = np.empty((1, hd), dt)
     u32 = np.empty(hd, np.uint32)
     f32v = u32.view(np.float32)
@@ -224,9 +260,7 @@ def _seq_group(b, p0, p1, bank, wi, a, v, beta, ri, c, r, S, P, hd, C, mode, sna
                                 for off in range(0, hd, step):
                                     _prefetch_level(bank, row0 + s, c0 + off, PREFETCH_LOC)
             vr = b * T + t
-            # 1. pred = k_t·M for every head, summed in w order (X starts at 0). Rows go in
-            # groups of 8 or 4 per pass over the columns: the same additions in the same order
-            # as one row at a time, but X is loaded and stored once per group
+            # 1. pred = k_t·M for every head, summed in w order (``_rows_dot``)
             for g in range(G):
                 p = p0 + g
                 uc0 = np.uint64(p * hd)
@@ -240,35 +274,7 @@ def _seq_group(b, p0, p1, bank, wi, a, v, beta, ri, c, r, S, P, hd, C, mode, sna
                     wwt[g, n] = a[b, t, p, w]
                     n += 1
                 wcnt[g] = n
-                for k in range(uhd):
-                    X[g, k] = 0
-                j = 0
-                while j + 8 <= n:
-                    r0, r1, r2, r3 = wrow[g, j], wrow[g, j + 1], wrow[g, j + 2], wrow[g, j + 3]
-                    r4, r5, r6, r7 = wrow[g, j + 4], wrow[g, j + 5], wrow[g, j + 6], wrow[g, j + 7]
-                    a0, a1, a2, a3 = wwt[g, j], wwt[g, j + 1], wwt[g, j + 2], wwt[g, j + 3]
-                    a4, a5, a6, a7 = wwt[g, j + 4], wwt[g, j + 5], wwt[g, j + 6], wwt[g, j + 7]
-                    for k in range(uhd):
-                        ck = uc0 + k
-                        X[g, k] = (((((((X[g, k] + a0 * bank[r0, ck]) + a1 * bank[r1, ck])
-                                       + a2 * bank[r2, ck]) + a3 * bank[r3, ck])
-                                     + a4 * bank[r4, ck]) + a5 * bank[r5, ck])
-                                   + a6 * bank[r6, ck]) + a7 * bank[r7, ck]
-                    j += 8
-                if j + 4 <= n:
-                    r0, r1, r2, r3 = wrow[g, j], wrow[g, j + 1], wrow[g, j + 2], wrow[g, j + 3]
-                    a0, a1, a2, a3 = wwt[g, j], wwt[g, j + 1], wwt[g, j + 2], wwt[g, j + 3]
-                    for k in range(uhd):
-                        ck = uc0 + k
-                        X[g, k] = (((X[g, k] + a0 * bank[r0, ck]) + a1 * bank[r1, ck])
-                                   + a2 * bank[r2, ck]) + a3 * bank[r3, ck]
-                    j += 4
-                while j < n:
-                    r0 = wrow[g, j]
-                    a0 = wwt[g, j]
-                    for k in range(uhd):
-                        X[g, k] += a0 * bank[r0, uc0 + k]
-                    j += 1
+                _rows_dot(X, g, bank, wrow, wwt, g, n, uc0, uhd)
             # 2. u = β (v − pred) (in X), M[i] += a u in w order (repeats accumulate)
             for g in range(G):
                 p = p0 + g
@@ -291,38 +297,10 @@ def _seq_group(b, p0, p1, bank, wi, a, v, beta, ri, c, r, S, P, hd, C, mode, sna
                     if s < 0 or s >= S:
                         badr += 1
                         continue
-                    rrow[n] = row0 + s
-                    rwt[n] = c[b, t, p, w]
+                    rrow[0, n] = row0 + s
+                    rwt[0, n] = c[b, t, p, w]
                     n += 1
-                for k in range(uhd):
-                    X[g, k] = 0
-                j = 0
-                while j + 8 <= n:
-                    r0, r1, r2, r3 = rrow[j], rrow[j + 1], rrow[j + 2], rrow[j + 3]
-                    r4, r5, r6, r7 = rrow[j + 4], rrow[j + 5], rrow[j + 6], rrow[j + 7]
-                    a0, a1, a2, a3 = rwt[j], rwt[j + 1], rwt[j + 2], rwt[j + 3]
-                    a4, a5, a6, a7 = rwt[j + 4], rwt[j + 5], rwt[j + 6], rwt[j + 7]
-                    for k in range(uhd):
-                        ck = uc0 + k
-                        X[g, k] = (((((((X[g, k] + a0 * bank[r0, ck]) + a1 * bank[r1, ck])
-                                       + a2 * bank[r2, ck]) + a3 * bank[r3, ck])
-                                     + a4 * bank[r4, ck]) + a5 * bank[r5, ck])
-                                   + a6 * bank[r6, ck]) + a7 * bank[r7, ck]
-                    j += 8
-                if j + 4 <= n:
-                    r0, r1, r2, r3 = rrow[j], rrow[j + 1], rrow[j + 2], rrow[j + 3]
-                    a0, a1, a2, a3 = rwt[j], rwt[j + 1], rwt[j + 2], rwt[j + 3]
-                    for k in range(uhd):
-                        ck = uc0 + k
-                        X[g, k] = (((X[g, k] + a0 * bank[r0, ck]) + a1 * bank[r1, ck])
-                                   + a2 * bank[r2, ck]) + a3 * bank[r3, ck]
-                    j += 4
-                while j < n:
-                    r0 = rrow[j]
-                    a0 = rwt[j]
-                    for k in range(uhd):
-                        X[g, k] += a0 * bank[r0, uc0 + k]
-                    j += 1
+                _rows_dot(X, g, bank, rrow, rwt, 0, n, uc0, uhd)
                 for k in range(uhd):
                     r[vr, uc0 + k] = X[g, k]
     bad[b * P + p0, 0] = badw            # the group's counts go to its first head's row
