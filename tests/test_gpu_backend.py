@@ -33,6 +33,15 @@ def _run(pb, cfg, dr, dM, **kw):
     return out, tuple(to_numpy(getattr(g, n)) for n in GRADS), to_numpy(res.bank)
 
 
+def _assert_float64_reference(pb, dr, dM, r, fin, grads):
+    """Readings, final bank and every gradient against the float64 reference to 1e-9."""
+    r_ref, fin_ref = reference_fwd(pb)
+    assert_close(r, r_ref, 1e-9, "readings")
+    assert_close(fin, fin_ref, 1e-9, "final bank")
+    for name, got, want in zip(GRADS, grads, reference_bwd(pb, dr, dM)):
+        assert_close(got, want, 1e-9, f"grad {name}")
+
+
 @pytest.fixture
 def tile_width():
     from sdm_cupy.kernels import gpu
@@ -49,11 +58,7 @@ def test_float64_tiles_and_chunks_match_reference(rng, tile_width, tw, C):
     dr = rng.normal(size=pb.values.shape)
     dM = rng.normal(size=pb.bank.shape)
     (r, fin), grads, rewound = _run(pb, _cfg(pb, C), dr, dM)
-    r_ref, fin_ref = reference_fwd(pb)
-    assert_close(r, r_ref, 1e-9, "readings")
-    assert_close(fin, fin_ref, 1e-9, "final bank")
-    for name, got, want in zip(GRADS, grads, reference_bwd(pb, dr, dM)):
-        assert_close(got, want, 1e-9, f"grad {name}")
+    _assert_float64_reference(pb, dr, dM, r, fin, grads)
     assert np.array_equal(rewound, pb.bank), "rewound bank differs from the initial bank"
 
 
@@ -109,11 +114,7 @@ def test_one_token_chunks_match_reference(rng, W):
     pb = make_problem(rng, B=2, T=6, P=2, hd=12, S=20, W=W)
     dr = rng.normal(size=pb.values.shape)
     (r, fin), grads, rewound = _run(pb, _cfg(pb, 1), dr, None)
-    r_ref, fin_ref = reference_fwd(pb)
-    assert_close(r, r_ref, 1e-9, "readings")
-    assert_close(fin, fin_ref, 1e-9, "final bank")
-    for name, got, want in zip(GRADS, grads, reference_bwd(pb, dr, None)):
-        assert_close(got, want, 1e-9, f"grad {name}")
+    _assert_float64_reference(pb, dr, None, r, fin, grads)
     assert np.array_equal(rewound, pb.bank)
 
 
@@ -198,11 +199,7 @@ def test_nan_poisoned_scratch(rng, monkeypatch):
     dr = rng.normal(size=pb.values.shape)
     dM = rng.normal(size=pb.bank.shape)
     (r, fin), grads, _ = _run(pb, _cfg(pb, 16), dr, dM)
-    r_ref, fin_ref = reference_fwd(pb)
-    assert_close(r, r_ref, 1e-9, "readings")
-    assert_close(fin, fin_ref, 1e-9, "final bank")
-    for name, got, want in zip(GRADS, grads, reference_bwd(pb, dr, dM)):
-        assert_close(got, want, 1e-9, f"grad {name}")
+    _assert_float64_reference(pb, dr, dM, r, fin, grads)
 
 
 @pytest.mark.parametrize("mode", [None, "int8"])
