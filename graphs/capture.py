@@ -8,6 +8,9 @@ A capture backend provides streams, memory pools, capture and launch; the runner
   taken from ``mempool`` and appended to ``held``, and returns ``(graph, out)``. The arrays in
   ``out`` (and in ``held``) are the graph's static memory: the caller keeps them alive.
 * ``launch(graph, stream)`` replays the graph: it rewrites ``out`` in place.
+* ``copier(src)`` returns ``f(stream)``: a fresh copy of the static array ``src`` on
+  ``stream`` (what ``copy(src)`` gives; the layout of ``src`` is read once, since graph memory
+  never changes).
 * ``run_on(stream, mempool)``: run eager work (warm-ups) on ``stream`` from ``mempool``.
 
 Why ``held``: a CuPy ``Graph`` keeps no memory alive, and CuPy's ``MemoryPool`` releases its
@@ -45,6 +48,17 @@ def leaves(obj) -> list:
 
 
 # ---- real capture ---------------------------------------------------------------------------
+_cp = None   # cupy, imported at first use (an import statement per call costs on every replay)
+
+
+def _cupy():
+    global _cp
+    if _cp is None:
+        import cupy
+        _cp = cupy
+    return _cp
+
+
 class CupyCapture:
     """CUDA graphs through CuPy stream capture (relaxed mode, CuPy's default, because the pool
     may ``cudaMalloc`` while capturing)."""
@@ -55,27 +69,25 @@ class CupyCapture:
         return x.data.device_id   # (cheaper than x.device.id: no Device object per call)
 
     def current_stream(self):
-        import cupy
-        return cupy.cuda.get_current_stream()
+        return (_cp or _cupy()).cuda.get_current_stream()
 
     def stream_key(self, stream):
         return stream.ptr
 
     def is_capturing(self, stream=None) -> bool:
-        import cupy
         try:
-            return bool((stream or cupy.cuda.get_current_stream()).is_capturing())
+            if stream is None:
+                stream = (_cp or _cupy()).cuda.get_current_stream()
+            return bool(stream.is_capturing())
         except Exception:  # noqa: BLE001 - e.g. the legacy stream while another stream captures
             return True
 
     def new_mempool(self):
-        import cupy
-        return cupy.cuda.MemoryPool()
+        return _cupy().cuda.MemoryPool()
 
     def new_stream(self):
-        import cupy
         # Non-blocking: a capture on it is not joined by legacy-stream work of other threads.
-        return cupy.cuda.Stream(non_blocking=True)
+        return _cupy().cuda.Stream(non_blocking=True)
 
     def wait(self, waiter, waited) -> None:
         """``waiter`` runs its next work after the work queued on ``waited`` so far."""
@@ -85,13 +97,35 @@ class CupyCapture:
     # kernel costs several times that, which decode steps would feel.
     def copy(self, src):
         """A fresh C-contiguous copy of ``src`` on the current stream (default allocator)."""
-        import cupy
+        cupy = _cp or _cupy()
         if not src.flags.c_contiguous:
             return src.copy()
         out = cupy.empty(src.shape, dtype=src.dtype)
         if src.nbytes:
             out.data.copy_from_device_async(src.data, src.nbytes)
         return out
+
+    def copier(self, src):
+        """``f(stream)``: ``copy(src)`` on ``stream`` (the current one) for a static ``src``
+        whose layout is read here once: an allocation from the current allocator and one
+        ``cudaMemcpyAsync`` (the cheapest host path measured)."""
+        cupy = _cp or _cupy()
+        if not src.flags.c_contiguous or not src.nbytes:
+            return lambda stream: self.copy(src)
+        shape, dtype, nbytes = src.shape, src.dtype, src.nbytes
+        data = src.data
+        ptr, device = data.ptr, data.device_id
+        alloc, ndarray = cupy.cuda.alloc, cupy.ndarray
+        memcpy, d2d = cupy.cuda.runtime.memcpyAsync, cupy.cuda.runtime.memcpyDeviceToDevice
+
+        def copy(stream):
+            mem = alloc(nbytes)
+            if mem.device_id == device:
+                memcpy(mem.ptr, ptr, nbytes, d2d, stream.ptr)
+            else:   # another current device: CuPy's peer copy
+                mem.copy_from_device_async(data, nbytes, stream)
+            return ndarray(shape, dtype, mem)
+        return copy
 
     def copy_into(self, dst, src) -> None:
         """``dst[...] = src`` on the current stream; a memcpy when layouts match."""
@@ -104,7 +138,7 @@ class CupyCapture:
 
     @contextlib.contextmanager
     def run_on(self, stream, mempool, held=None):
-        import cupy
+        cupy = _cupy()
         if held is None:
             alloc = mempool.malloc
         else:
@@ -133,7 +167,7 @@ class CupyCapture:
         graph.launch(stream=stream)
 
     def is_oom(self, exc) -> bool:
-        import cupy
+        cupy = _cupy()
         if isinstance(exc, cupy.cuda.memory.OutOfMemoryError):
             return True
         rt = cupy.cuda.runtime
@@ -260,6 +294,9 @@ class HostCapture:
 
     def copy(self, src):
         return src.copy()
+
+    def copier(self, src):
+        return lambda stream: self.copy(src)
 
     def copy_into(self, dst, src) -> None:
         dst[...] = src

@@ -32,10 +32,17 @@ class Entry:
         self.static_in = None      # the six input arrays
         self.forward = None        # the forward graph
         self.result = None         # its ForwardResult: readings, final bank, SavedState template
+        self.copy_readings = None  # capture.copier() of the readings / final bank: f(stream)
+        self.copy_bank = None
         self.held = []             # blocks allocated by the captures
+        self.static_ids = frozenset()   # ids of static_param and static_in (training key)
+        self.static_in_ids = ()    # ids of static_in, in order (one check per replay)
+        self.state_dtype = None    # dtype of the final bank
+        self.ref = weakref.ref(self)
         self.grad_in = None        # static grad of the readings
         self.backward = None       # the backward graph, captured at the first backward
         self.grad_out = None
+        self.grad_copiers = ()     # capture.copier() of each of grad_out (None stays None)
         self.backward_eager = False
         self.backward_settings = None
         self.index = None          # position in pool.forward when the pool's memory is shared
@@ -60,6 +67,10 @@ class Entry:
         """Drops graphs and buffers; later backwards of this entry run eager."""
         self.released, self.token = True, None
         self.forward = self.backward = self.result = self.grad_out = self.grad_in = None
+        self.copy_readings = self.copy_bank = None
+        self.grad_copiers = ()
+        self.static_ids = frozenset()
+        self.static_in_ids = ()
         self.static_param = self.static_bank = self.static_in = None
         self.held = []
 
@@ -80,8 +91,8 @@ class ReplayedState(sdm.LayerState):
     continues in place, without any copy."""
 
     def __init__(self, entry, token, seq_len=0):
-        self._entry, self._token, self._copy = weakref.ref(entry), token, None
-        self._dtype = entry.bank.dtype
+        self._entry, self._token, self._copy = entry.ref, token, None
+        self._dtype = entry.state_dtype
         self.seq_len = int(seq_len)
 
     def continues(self, entry) -> bool:

@@ -9,19 +9,10 @@ stream to the pool's stream with events, so that graphs sharing the pool never o
 from __future__ import annotations
 
 import contextlib
-import itertools
 import threading
 import weakref
 
-__all__ = ["Pool", "pool_for", "ordered", "region", "next_token"]
-
-_tokens = itertools.count(1)
-_tokens_lock = threading.Lock()
-
-
-def next_token() -> int:
-    with _tokens_lock:
-        return next(_tokens)
+__all__ = ["Pool", "pool_for", "ordered", "region"]
 
 
 class Pool:
@@ -37,16 +28,27 @@ class Pool:
         self.forward = []          # weak references to shared forward entries, capture order
         self.has_backward = False
         self.lock = threading.RLock()
+        # Every shared entry above this index has token None: tokens are only issued by
+        # replays, under the lock, each followed by invalidate_after (skipped when this is the
+        # entry's index already: it would change nothing). So a replay clears tokens up to here
+        # only: O(entries replayed since), not O(entries captured after it).
+        self.high = -1
+        # The last token issued to a replay of one of its entries (under ``lock``). A token is
+        # only ever compared with its own entry's, so a count per pool is enough.
+        self.tokens = 0
 
     def invalidate_after(self, entry) -> None:
         """A replay of ``entry`` may rewrite the blocks of entries captured after it in the
-        shared pool: their state is no longer theirs."""
-        if entry.index is None:
+        shared pool: their state is no longer theirs. (Under ``lock``.)"""
+        i = entry.index
+        if i is None:
             return
-        for ref in self.forward[entry.index + 1:]:
-            later = ref()
-            if later is not None:
-                later.token = None
+        if self.high > i:
+            for ref in self.forward[i + 1:self.high + 1]:
+                later = ref()
+                if later is not None:
+                    later.token = None
+        self.high = i
 
 
 _pools: dict = {}

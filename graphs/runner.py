@@ -37,7 +37,7 @@ from sdm_cupy.state import LayerState
 
 from .capture import cupy_capture
 from .entry import BackwardHandle, Entry, ReplayedState, RunnerGradients
-from .pools import next_token, ordered
+from .pools import ordered
 
 __all__ = ["GraphRunner", "reset_graphs", "suspend_graphs", "graphs_suspended"]
 
@@ -81,6 +81,23 @@ def suspend_graphs():
 
 def graphs_suspended() -> bool:
     return _suspended > 0
+
+
+_NO_STATICS = (None,) * len(INPUT_NAMES)
+# type(values) -> capture backend for runners without one: CUDA graphs for CuPy arrays, None
+# (eager) otherwise. A function of the type alone (``V.is_cupy_array``), hence cached.
+_captures_by_type: dict = {}
+
+
+def _capture_for_type(t, values):
+    try:
+        return _captures_by_type[t]
+    except KeyError:
+        pass
+    cap = cupy_capture() if V.is_cupy_array(values) else None
+    if len(_captures_by_type) < 64:
+        _captures_by_type[t] = cap
+    return cap
 
 
 def _failure(exc: BaseException) -> str:
@@ -194,26 +211,29 @@ class GraphRunner:
             bank_dtype = param.memory.dtype
         else:
             bank_dtype = param.dtype   # an array, or a ReplayedState (without copying)
-        call = (param, inputs, config, batch, bank_dtype, seq_len, needs_backward)
-        cap = self.capture or self._capture_for(values)
+        cap = self.capture
         if cap is None:
-            self.note("eager_host", "NumPy arrays without a capture stand-in run eager (CUDA "
-                      "graphs need CuPy arrays).")
-            return self._eager(*call)
+            cap = _capture_for_type(type(values), values)
+            if cap is None:
+                self.note("eager_host", "NumPy arrays without a capture stand-in run eager "
+                          "(CUDA graphs need CuPy arrays).")
+                return self._eager(param, inputs, config, batch, bank_dtype, seq_len,
+                                   needs_backward)
         if _suspended:
             self.note("eager_suspended", "calls inside suspend_graphs() run eager.")
-            return self._eager(*call)
+            return self._eager(param, inputs, config, batch, bank_dtype, seq_len, needs_backward)
         stream = cap.current_stream()
         if cap.is_capturing(stream):
             self.note("eager_nested_capture", "the current stream is already capturing a "
                       "graph; the call runs eager (and is recorded into that graph).")
-            return self._eager(*call)
+            return self._eager(param, inputs, config, batch, bank_dtype, seq_len, needs_backward)
         if self.capture_failed:
             self.stats["eager_capture_failed"] += 1
-            return self._eager(*call)
+            return self._eager(param, inputs, config, batch, bank_dtype, seq_len, needs_backward)
         e = self._entries.get(needs_backward)
-        key = self._key(cap, e, *call)
         if e is None:
+            call = (param, inputs, config, batch, bank_dtype, seq_len, needs_backward)
+            key = self._key(cap, None, *call)
             with self._acquire_lock:   # threads sharing a runner capture once
                 e = self._entries.get(needs_backward)
                 if e is None and not self.capture_failed:
@@ -222,29 +242,41 @@ class GraphRunner:
                         self._entries[needs_backward] = e
             if e is None:   # (counted and logged by the failure)
                 return self._eager(*call)
-        if e.key != key:
+            hit, static = e.key == key, False
+        else:
+            # one identity check for the usual case: every input is the entry's static array
+            # (ids of live objects; a released entry has none)
+            static = tuple(map(id, inputs)) == e.static_in_ids
+            hit = self._matches(cap, e, param, None if static else inputs, config, batch,
+                                bank_dtype, needs_backward)
+        if not hit:
             self.note("eager_shape", "a call that differs from the captured one (shapes, "
                       "dtypes, devices, config or the kernels' process-wide settings) runs "
                       "eager. After a permanent change call sdm_cupy.graphs.reset_graphs() "
                       "between steps to capture the new call.")
-            return self._eager(*call)
-        elif e.slot is not None:
+            return self._eager(param, inputs, config, batch, bank_dtype, seq_len, needs_backward)
+        if e.slot is not None:
             r = pools.current_region()
             if r is not None:
                 r.used.add(e)
-        with ordered(e.pool, stream) as stream:
-            if not e.released:   # (another thread's out-of-memory backward releases it)
-                return self._replay(e, stream, *call)
+        if not needs_backward:
+            out = self._replay_forward_only(e, stream, param, None if static else inputs,
+                                            seq_len)
+            if out is not None:
+                return out
+        else:
+            with ordered(e.pool, stream) as stream:
+                if not e.released:   # (another thread's out-of-memory backward releases it)
+                    return self._replay(e, stream, param, inputs, config, batch, bank_dtype,
+                                        seq_len, needs_backward)
         self.note("eager_released", "the graphs of this runner were released (an "
                   "out-of-memory first backward in their pool); the call runs eager.")
-        return self._eager(*call)
+        return self._eager(param, inputs, config, batch, bank_dtype, seq_len, needs_backward)
 
     def _capture_for(self, values):
         if self.capture is not None:
             return self.capture
-        if V.is_cupy_array(values):
-            return cupy_capture()
-        return None
+        return _capture_for_type(type(values), values)
 
     def _key(self, cap, e, param, inputs, config, batch, bank_dtype, seq_len, needs_backward):
         if needs_backward:
@@ -260,6 +292,29 @@ class GraphRunner:
             arrays = tuple((x.shape, x.dtype, cap.device(x)) for x in inputs)
         return (needs_backward, arrays[2][2], p, batch, bank_dtype, arrays, config,
                 cap.settings())
+
+    @staticmethod
+    def _matches(cap, e, param, inputs, config, batch, bank_dtype, needs_backward) -> bool:
+        """``e.key == _key(cap, e, ...)`` without building the key (every replay's check).
+        ``e`` is this runner's entry of ``needs_backward``, so ``key[0]`` matches; ``key[1]``
+        is the device of ``arrays[2]``; a forward-only key has ``p`` None. The entry's own
+        static arrays keep their key (as in ``_key``); ``inputs`` None: all six are those.
+        Nothing else is cached."""
+        key = e.key
+        if inputs is not None:
+            static = e.static_in
+            if static is None:   # released
+                static = _NO_STATICS
+            for x, st, k in zip(inputs, static, key[5]):
+                if x is not st and (x.shape, x.dtype, cap.device(x)) != k:
+                    return False
+        if needs_backward:
+            p = None if param is None else (tuple(param.shape), np.dtype(param.dtype),
+                                            cap.device(param))
+            if p != key[2]:
+                return False
+        return (batch == key[3] and (bank_dtype is key[4] or bank_dtype == key[4])
+                and (config is key[6] or config == key[6]) and cap.settings() == key[7])
 
     # ---- capture ----------------------------------------------------------------------------
     def _acquire(self, cap, key, *call):
@@ -339,8 +394,14 @@ class GraphRunner:
                 return None
             finally:
                 cap.wait(current, pool.capture_stream)
+        e.copy_readings = cap.copier(e.result.readings)
+        e.copy_bank = cap.copier(e.result.bank)
+        e.state_dtype = e.result.bank.dtype
+        e.static_in_ids = tuple(map(id, e.static_in))
         if needs_backward:
             e.grad_in = xp.zeros(inputs[2].shape, dtype=inputs[2].dtype)
+            e.static_ids = frozenset(id(x) for x in (e.static_param, *e.static_in)
+                                     if x is not None)
         if shared:
             e.index = len(pool.forward)
             pool.forward.append(weakref.ref(e))
@@ -349,10 +410,9 @@ class GraphRunner:
 
     # ---- replay -----------------------------------------------------------------------------
     def _load_bank(self, e, param, batch):
-        """Initial bank of a forward-only replay into the static bank (outside the graph)."""
+        """Initial bank of a forward-only replay into the static bank (outside the graph);
+        not called when ``param`` is the state the static bank holds already."""
         bank = e.static_bank
-        if isinstance(param, ReplayedState) and param.continues(e):
-            return   # the static bank holds this state already
         if param is None:
             bank.fill(0)
         elif isinstance(param, sdm.LayerState):
@@ -361,38 +421,76 @@ class GraphRunner:
             bank.reshape(batch, param.shape[0], param.shape[1])[...] = param
 
     def _launch_forward(self, e, stream, param, inputs):
+        """Loads and launches ``e``'s forward and issues its token (under the pool's lock)."""
         cap = e.pool.capture
         if e.needs_backward:
             if e.static_param is not None and param is not e.static_param:
                 cap.copy_into(e.static_param, param)
-        else:
+        elif not (isinstance(param, ReplayedState) and param.continues(e)):
             self._load_bank(e, param, e.batch)
         for static, x in zip(e.static_in, inputs):
             if x is not static:
                 cap.copy_into(static, x)
         cap.launch(e.forward, stream)
-        e.token = next_token()
-        e.pool.invalidate_after(e)
-        return e.token
+        pool = e.pool
+        pool.tokens += 1   # (under the pool's lock)
+        e.token = token = pool.tokens
+        if e.index is not None and pool.high != e.index:   # (else nothing to clear)
+            pool.invalidate_after(e)
+        return token
+
+    def _replay_forward_only(self, e, stream, param, inputs, seq_len):
+        """``_replay`` of a forward-only call, with ``ordered(e.pool, stream)`` and
+        ``_launch_forward`` written out (the decode step's path); ``inputs`` None: they are
+        the static inputs (nothing to copy). None when ``e`` was released."""
+        pool = e.pool
+        cap = pool.capture
+        with pool.lock:
+            other = False
+            try:
+                if stream is not pool.stream and (cap.stream_key(stream)
+                                                  != cap.stream_key(pool.stream)):
+                    cap.wait(stream, pool.stream)
+                    other = True
+                if e.released:   # (another thread's out-of-memory backward releases it)
+                    return None
+                if not (isinstance(param, ReplayedState) and param.continues(e)):
+                    self._load_bank(e, param, e.batch)
+                if inputs is not None:
+                    for static, x in zip(e.static_in, inputs):
+                        if x is not static:
+                            cap.copy_into(static, x)
+                cap.launch(e.forward, stream)
+                pool.tokens += 1
+                e.token = token = pool.tokens
+                if e.index is not None and pool.high != e.index:   # (else nothing to clear)
+                    pool.invalidate_after(e)
+                readings = e.copy_readings(stream)
+                self.stats["forward_replay"] += 1
+                state = (e.copy_bank(stream) if seq_len is None else
+                         ReplayedState(e, token, seq_len))
+            finally:
+                if other:
+                    cap.wait(pool.stream, stream)
+        return readings, state, None
 
     def _replay(self, e, stream, param, inputs, config, batch, bank_dtype, seq_len,
                 needs_backward):
-        cap = e.pool.capture
         token = self._launch_forward(e, stream, param, inputs)
-        readings = cap.copy(e.readings)
+        readings = e.copy_readings(stream)
         self.stats["forward_replay"] += 1
         handle = None
         if needs_backward:
             # The handle keeps the call's own arrays, but copies of static ones the caller
             # filled in place: the next call overwrites those.
-            statics = [s for s in (e.static_param, *e.static_in) if s is not None]
-
-            def keep(x):
-                return cap.copy(x) if x is not None and any(x is s for s in statics) else x
-
-            handle = BackwardHandle(e, token, keep(param), tuple(keep(x) for x in inputs),
-                                    config, batch, bank_dtype)
-        state = cap.copy(e.bank) if seq_len is None else ReplayedState(e, token, seq_len)
+            ids = e.static_ids
+            cap = e.pool.capture
+            if param is not None and id(param) in ids:
+                param = cap.copy(param)
+            if not ids.isdisjoint(map(id, inputs)):
+                inputs = tuple(cap.copy(x) if id(x) in ids else x for x in inputs)
+            handle = BackwardHandle(e, token, param, inputs, config, batch, bank_dtype)
+        state = e.copy_bank(stream) if seq_len is None else ReplayedState(e, token, seq_len)
         return readings, state, handle
 
     # ---- eager ------------------------------------------------------------------------------
@@ -513,6 +611,7 @@ class GraphRunner:
                 self.note("eager_backward_capture", f"capturing the backward failed "
                           f"({_failure(exc)}); it runs eager on the graph's state.")
             else:
+                e.grad_copiers = tuple(None if g is None else cap.copier(g) for g in e.grad_out)
                 e.backward_settings = settings
                 if e.index is not None:
                     e.pool.has_backward = True
@@ -528,7 +627,7 @@ class GraphRunner:
             return RunnerGradients(*self._backward_body(e))
         cap.launch(e.backward, stream)
         self.stats["backward_replay"] += 1
-        return self._fresh(cap, e.grad_out)
+        return RunnerGradients(*[None if c is None else c(stream) for c in e.grad_copiers])
 
     def _abandon(self, e):
         """The first backward ran out of memory (under the pool's lock): drop the entry and,

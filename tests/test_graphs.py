@@ -642,6 +642,84 @@ def test_static_inputs_filled_in_place(env, rng):
     assert r.stats["stale_replay"] == 1
 
 
+def test_decode_with_static_inputs_then_every_key_change(env, rng, monkeypatch):
+    """The decode step's path (its ReplayedState back as ``param``, the static inputs filled in
+    place) gives the eager loop's readings; after such calls, a change of shape, index dtype,
+    bank dtype or kernel settings still runs eager, an equal config replays, and the static
+    path then replays correctly again (the replay's key check caches nothing stale)."""
+    pb, p = problem(env, rng, T=1)
+    c = cfg()
+    r = runner(env)
+    names = graphs.runner.INPUT_NAMES
+    ref = sdm.LayerState(sdm.expand_memory_batch(p, pb.B), 0)
+    _, state, _ = r.forward(sdm.LayerState(sdm.expand_memory_batch(p, pb.B), 0), *pb.inputs, c,
+                            batch=pb.B, needs_backward=False, seq_len=1)
+    ref.update_(sdm.forward(ref.memory, *pb.inputs, c, needs_backward=False,
+                            check_indices=False).bank)
+    st = r.static_inputs()
+    args = [st[n] for n in names]
+
+    def step(state, x, fill=True, config=c):
+        if fill:
+            for n, a in zip(names, x):
+                st[n][...] = a
+        readings, state, _ = r.forward(state, *(args if fill else x), config, batch=pb.B,
+                                       needs_backward=False, seq_len=state.seq_len + 1)
+        res = sdm.forward(ref.memory, *x, config, needs_backward=False, check_indices=False)
+        ref.update_(res.bank)
+        same(readings, res.readings, "readings")
+        return state
+
+    for _ in range(3):
+        state = step(state, other_inputs(env, rng, pb))
+    assert r.stats["forward_replay"] == 4 and r.stats["eager_shape"] == 0   # (the capture's too)
+    state = step(state, other_inputs(env, rng, pb), config=cfg())   # equal, another object
+    state = step(state, other_inputs(env, rng, pb), fill=False)     # the caller's arrays
+    assert r.stats["forward_replay"] == 6 and r.stats["eager_shape"] == 0
+
+    def changed(*x, **kw):   # an eager call; its result is dropped (the chain goes on)
+        r.forward(state, *x, kw.pop("config", c), batch=pb.B, needs_backward=False,
+                  seq_len=state.seq_len + 1, **kw)
+
+    longer = make_problem(rng, B=pb.B, T=2, P=P, hd=HD, S=S, W=W, dtype=np.float32).to(env.xp)
+    changed(*longer.inputs)
+    changed(args[0].astype(np.int64), *args[1:])
+    changed(*args, dtype=np.float64)
+    env.set_settings(monkeypatch, "other")
+    changed(*args)
+    monkeypatch.undo()
+    assert r.stats["eager_shape"] == 4 and r.stats["forward_replay"] == 6
+    for _ in range(2):
+        state = step(state, other_inputs(env, rng, pb))
+    assert r.stats["forward_replay"] == 8 and r.stats["forward_capture"] == 1
+    same(state.memory, ref.memory, "final bank")
+
+
+def test_replays_invalidate_later_entries_in_any_order(env, rng):
+    """A replay invalidates the state of every entry captured after it in the shared pool,
+    whatever the order of the replays before (the pool tracks which entries may hold one)."""
+    pb, p = problem(env, rng)
+    c = cfg()
+    rs = [runner(env, f"r{i}") for i in range(4)]
+    xs = [other_inputs(env, rng, pb) for _ in rs]
+    for r_, x in zip(rs, xs):
+        r_.forward(p, *x, c, batch=pb.B, needs_backward=False)   # captured in this order
+    assert [r_._entries[False].index for r_ in rs] == [0, 1, 2, 3]
+    wants = [eager(p, x, c, pb.B)[1] for x in xs]
+    for _ in range(25):
+        seq = [int(i) for i in rng.integers(0, 4, size=int(rng.integers(1, 7)))]
+        last = {}
+        for k, i in enumerate(seq):
+            last[i] = (k, rs[i].forward(p, *xs[i], c, batch=pb.B, needs_backward=False,
+                                        seq_len=1)[1])
+        for i, (k, state) in last.items():
+            if all(j > i for j in seq[k + 1:]):   # no replay of an entry captured before since
+                same(state.memory, wants[i], f"state of r{i} after {seq}")
+            else:
+                with pytest.raises(RuntimeError, match="overwritten"):
+                    state.memory
+
+
 # ---- §8.8: lifetime, copies ---------------------------------------------------------------
 def test_entries_live_while_a_runner_or_backward_refers_to_them(env, rng):
     pb, p = problem(env, rng)
