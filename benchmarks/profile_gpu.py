@@ -22,7 +22,12 @@ def main():
     ap.add_argument("--time", action="store_true", help="print CUDA-event times instead")
     ap.add_argument("--decode", action="store_true",
                     help="time the decode-shaped call (T=1, B=64): device and host per call")
+    ap.add_argument("--fuse-threads", type=int, default=None,
+                    help="block size of the one-token forward (gpu.FUSE_THREADS)")
     args = ap.parse_args()
+    if args.fuse_threads:
+        from sdm_cupy.kernels import gpu
+        gpu.FUSE_THREADS = args.fuse_threads
     if args.decode:
         return decode()
     B, T, P, hd, S, W, C = 4, 4096, 8, 128, 16384, args.W, 64

@@ -47,6 +47,9 @@ KEEP_ROWS = None            # forward keeps gathered write rows in shared memory
 KEEP_SMEM = 110 * 1024      # shared memory per block under which two blocks fit an SM (H100/H200)
 E_STAGE = 512               # CSR entries staged per chunk (kernels/sdm_fwd.cu)
 FUSE_MAX_W = 64             # one-token chunks with W <= this skip the pre-pass launch
+FUSE_THREADS = None         # block size of those one-token launches (None: sized to their
+                            # gather, at least 64; fewer registers per block, so that the
+                            # decode shape's blocks run in one wave: benchmarks/RESULTS.md)
 
 _ERRORS = {1: "write_idx values must lie in [0, num_memory_slots)",
            2: "read_idx values must lie in [0, num_memory_slots)"}
@@ -54,7 +57,7 @@ _ERRORS = {1: "write_idx values must lie in [0, num_memory_slots)",
 
 def settings() -> tuple:
     """The process-wide knobs the kernels read (part of a graph runner's key)."""
-    return (TILE_WIDTH, THREADS, KEEP_ROWS, PREPASS_THREADS, BWD_THREADS)
+    return (TILE_WIDTH, THREADS, KEEP_ROWS, PREPASS_THREADS, BWD_THREADS, FUSE_THREADS)
 
 
 # ---- the device error word ------------------------------------------------------------------
@@ -311,6 +314,9 @@ def sdm_fwd(lay: Layout, config, bank, write_idx, write_w, values, beta, read_id
         vecmask |= 32
     q = K.QUANT_CODE[mode]
     key = (lay.bank_dtype, vk, lay.index_dtype)
+    threads = THREADS
+    if fuse:   # one token: its gather has NPC * WS tasks (kernels/sdm_fwd.cu)
+        threads = FUSE_THREADS or _fuse_threads(-(-pl.TW // N), lay.W)
     _launch("fwd", key, K.fwd_name(lay.bank_dtype, vk, lay.index_dtype, q),
             lay.B * lay.P * pl.ntile, pl.smem_fwd,
             (bank, write_idx, write_w, v, beta, read_idx, read_w, sp_ptr, sp_col, sp_val, wrun,
@@ -318,9 +324,16 @@ def sdm_fwd(lay: Layout, config, bank, write_idx, write_w, values, beta, read_id
              np.int32(lay.hd), np.int32(lay.W), np.int64(lay.S), np.int32(pl.C),
              np.int32(pl.Nt), np.int32(pl.TW), np.int32(pl.ntile), np.int32(int(save_snapshots)),
              np.int32(vecmask), np.int32(int(pl.keep)), np.int32(pl.CS), np.int32(int(fuse)),
-             _err_array()))
+             _err_array()), threads)
     readings = out if vk == lay.value_dtype else out.astype(lay.value_dtype)
     return readings, ((snap, scale) if save_snapshots else None)
+
+
+def _fuse_threads(npc: int, W: int) -> int:
+    ws = 1
+    while ws < 4 and ws * 2 <= W:   # WS_MAX of kernels/sdm_fwd.cu
+        ws *= 2
+    return min(THREADS, max(64, -(-npc * ws // 32) * 32))
 
 
 def sdm_bwd(lay: Layout, config, bank, inputs, snapshots, dr, dM):

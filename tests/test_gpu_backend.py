@@ -118,6 +118,26 @@ def test_one_token_chunks_match_reference(rng, W):
     assert np.array_equal(rewound, pb.bank)
 
 
+@pytest.mark.parametrize("threads", [32, 64, 96, 256])
+def test_one_token_block_size_leaves_results_bitwise_equal(rng, monkeypatch, threads):
+    """The one-token forward's block size (gpu.FUSE_THREADS, automatic: sized to the gather)
+    changes neither the readings nor the bank by a bit, with repeated slots and W > 32."""
+    from sdm_cupy.kernels import gpu
+    pb = make_problem(rng, B=3, T=1, P=2, hd=40, S=24, W=36, dtype=np.float32)
+    cfg = _cfg(pb, 1)
+    outs = []
+    for t in (None, threads):
+        monkeypatch.setattr(gpu, "FUSE_THREADS", t)
+        x = pb.to(cp)
+        res = sdm.forward(x.bank, *x.inputs, cfg, needs_backward=False)
+        outs.append((to_numpy(res.readings), to_numpy(res.bank)))
+    for a, b_ in zip(*outs):
+        assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b_).view(np.uint8))
+    r_ref, fin_ref = reference_fwd(pb)
+    assert_close(outs[1][0], r_ref, 1e-4, "readings")
+    assert_close(outs[1][1], fin_ref, 1e-4, "final bank")
+
+
 def test_gpu_agrees_with_cpu_float32(rng):
     pb = make_problem(rng, B=2, T=130, P=4, hd=32, S=512, W=8, dtype=np.float32)
     dr = rng.normal(size=pb.values.shape).astype(np.float32)
