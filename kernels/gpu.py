@@ -18,7 +18,8 @@ recorded in one host-mapped int; ``check_device_errors()`` synchronises and repo
 
 Process-wide settings the kernels read (a graph runner keys on ``settings()``):
 ``TILE_WIDTH`` (None: automatic) forces the width of the column tiles, ``THREADS`` the block size,
-``KEEP_ROWS`` (None: automatic) whether the forward keeps its gathered rows in shared memory.
+``KEEP_ROWS`` (None: automatic) whether the forward keeps its gathered rows in shared memory,
+``FUSE_THREADS`` (None: automatic) the block size of one-token (decoding) forwards.
 """
 
 from __future__ import annotations
