@@ -85,6 +85,20 @@ def keep_rows():
     gpu.KEEP_ROWS = old
 
 
+def _forwards_bitwise_equal(pb, cfg, settings):
+    """Forward-only results of ``pb`` under each of ``settings`` (callables that set a kernel
+    knob): asserts they are bitwise equal and returns the first (readings, final bank)."""
+    outs = []
+    for apply in settings:
+        apply()
+        x = pb.to(cp)
+        res = sdm.forward(x.bank, *x.inputs, cfg, needs_backward=False)
+        outs.append((to_numpy(res.readings), to_numpy(res.bank)))
+    for a, b_ in zip(*outs):
+        assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b_).view(np.uint8))
+    return outs[0]
+
+
 @pytest.mark.parametrize("S", [4, 48, 5000], ids=lambda s: f"S{s}")   # 4: repeated slots
 @pytest.mark.parametrize("dtype", [np.float64, BF16], ids=["f64", "bf16"])
 def test_forward_kept_rows_and_staged_entries(rng, keep_rows, S, dtype):
@@ -92,19 +106,12 @@ def test_forward_kept_rows_and_staged_entries(rng, keep_rows, S, dtype):
     bank) give bitwise the same results; S = 4 makes a chunk's CSR rows of Ainv and H hold more
     entries than the kernel stages (they are then read from global memory), S = 5000 few."""
     pb = make_problem(rng, B=2, T=150, P=2, hd=24, S=S, W=12, dtype=dtype, repeat=S == 4)
-    cfg = _cfg(pb, 64)
-    outs = []
-    for k in (True, False):
-        keep_rows(k)
-        x = pb.to(cp)
-        res = sdm.forward(x.bank, *x.inputs, cfg, needs_backward=False)
-        outs.append((to_numpy(res.readings), to_numpy(res.bank)))
-    for a, b_ in zip(*outs):
-        assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b_).view(np.uint8))
+    r, fin = _forwards_bitwise_equal(pb, _cfg(pb, 64), [lambda k=k: keep_rows(k)
+                                                        for k in (True, False)])
     r_ref, fin_ref = reference_fwd(pb)
     tol = 1e-9 if dtype == np.float64 else 5e-2
-    assert_close(outs[0][0], r_ref, tol, "readings")
-    assert_close(outs[0][1], fin_ref, tol, "final bank")
+    assert_close(r, r_ref, tol, "readings")
+    assert_close(fin, fin_ref, tol, "final bank")
 
 
 @pytest.mark.parametrize("W", [3, 40, 64, 80], ids=lambda w: f"W{w}")
@@ -124,18 +131,11 @@ def test_one_token_block_size_leaves_results_bitwise_equal(rng, monkeypatch, thr
     changes neither the readings nor the bank by a bit, with repeated slots and W > 32."""
     from sdm_cupy.kernels import gpu
     pb = make_problem(rng, B=3, T=1, P=2, hd=40, S=24, W=36, dtype=np.float32)
-    cfg = _cfg(pb, 1)
-    outs = []
-    for t in (None, threads):
-        monkeypatch.setattr(gpu, "FUSE_THREADS", t)
-        x = pb.to(cp)
-        res = sdm.forward(x.bank, *x.inputs, cfg, needs_backward=False)
-        outs.append((to_numpy(res.readings), to_numpy(res.bank)))
-    for a, b_ in zip(*outs):
-        assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b_).view(np.uint8))
+    r, fin = _forwards_bitwise_equal(pb, _cfg(pb, 1), [
+        lambda t=t: monkeypatch.setattr(gpu, "FUSE_THREADS", t) for t in (threads, None)])
     r_ref, fin_ref = reference_fwd(pb)
-    assert_close(outs[1][0], r_ref, 1e-4, "readings")
-    assert_close(outs[1][1], fin_ref, 1e-4, "final bank")
+    assert_close(r, r_ref, 1e-4, "readings")
+    assert_close(fin, fin_ref, 1e-4, "final bank")
 
 
 def test_gpu_agrees_with_cpu_float32(rng):
