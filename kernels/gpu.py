@@ -308,9 +308,10 @@ def sdm_fwd(lay: Layout, config, bank, write_idx, write_w, values, beta, read_id
     else:  # never written (save=0); any typed array of the right dtype will do
         snap, scale = _snapshot_arrays(dataclasses.replace(lay, B=1, T=1, W=1, hd=1), mode)
     N = pl.N
-    vecmask = (int(_aligned(bank, N)) | int(_aligned(v, N)) << 1 | int(_aligned(out, N)) << 2
+    # bits: 1 bank, 4 readings, 8 snapshots (16-byte pieces); 32 values (16-byte staging)
+    vecmask = (int(_aligned(bank, N)) | int(_aligned(out, N)) << 2
                | int(_aligned(snap, N)) << 3) if lay.hd % N == 0 else 0
-    sv = np.dtype(vk).itemsize   # values tiles staged with 16-byte copies
+    sv = np.dtype(vk).itemsize
     if v.data.ptr % 16 == 0 and (lay.hd * sv) % 16 == 0 and (pl.TW * sv) % 16 == 0:
         vecmask |= 32
     q = K.QUANT_CODE[mode]
