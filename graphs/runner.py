@@ -273,11 +273,6 @@ class GraphRunner:
                   "out-of-memory first backward in their pool); the call runs eager.")
         return self._eager(param, inputs, config, batch, bank_dtype, seq_len, needs_backward)
 
-    def _capture_for(self, values):
-        if self.capture is not None:
-            return self.capture
-        return _capture_for_type(type(values), values)
-
     def _key(self, cap, e, param, inputs, config, batch, bank_dtype, seq_len, needs_backward):
         if needs_backward:
             p = None if param is None else (tuple(param.shape), np.dtype(param.dtype),
@@ -421,16 +416,18 @@ class GraphRunner:
             bank.reshape(batch, param.shape[0], param.shape[1])[...] = param
 
     def _launch_forward(self, e, stream, param, inputs):
-        """Loads and launches ``e``'s forward and issues its token (under the pool's lock)."""
+        """Loads and launches ``e``'s forward and issues its token (under the pool's lock);
+        ``inputs`` None: the static inputs are the call's."""
         cap = e.pool.capture
         if e.needs_backward:
             if e.static_param is not None and param is not e.static_param:
                 cap.copy_into(e.static_param, param)
         elif not (isinstance(param, ReplayedState) and param.continues(e)):
             self._load_bank(e, param, e.batch)
-        for static, x in zip(e.static_in, inputs):
-            if x is not static:
-                cap.copy_into(static, x)
+        if inputs is not None:   # (None: the static inputs themselves)
+            for static, x in zip(e.static_in, inputs):
+                if x is not static:
+                    cap.copy_into(static, x)
         cap.launch(e.forward, stream)
         pool = e.pool
         pool.tokens += 1   # (under the pool's lock)
@@ -440,38 +437,16 @@ class GraphRunner:
         return token
 
     def _replay_forward_only(self, e, stream, param, inputs, seq_len):
-        """``_replay`` of a forward-only call, with ``ordered(e.pool, stream)`` and
-        ``_launch_forward`` written out (the decode step's path); ``inputs`` None: they are
-        the static inputs (nothing to copy). None when ``e`` was released."""
-        pool = e.pool
-        cap = pool.capture
-        with pool.lock:
-            other = False
-            try:
-                if stream is not pool.stream and (cap.stream_key(stream)
-                                                  != cap.stream_key(pool.stream)):
-                    cap.wait(stream, pool.stream)
-                    other = True
-                if e.released:   # (another thread's out-of-memory backward releases it)
-                    return None
-                if not (isinstance(param, ReplayedState) and param.continues(e)):
-                    self._load_bank(e, param, e.batch)
-                if inputs is not None:
-                    for static, x in zip(e.static_in, inputs):
-                        if x is not static:
-                            cap.copy_into(static, x)
-                cap.launch(e.forward, stream)
-                pool.tokens += 1
-                e.token = token = pool.tokens
-                if e.index is not None and pool.high != e.index:   # (else nothing to clear)
-                    pool.invalidate_after(e)
-                readings = e.copy_readings(stream)
-                self.stats["forward_replay"] += 1
-                state = (e.copy_bank(stream) if seq_len is None else
-                         ReplayedState(e, token, seq_len))
-            finally:
-                if other:
-                    cap.wait(pool.stream, stream)
+        """``_replay`` of a forward-only call (the decode step's path); ``inputs`` None: they
+        are the static inputs (nothing to copy). None when ``e`` was released."""
+        with ordered(e.pool, stream) as stream:
+            if e.released:   # (another thread's out-of-memory backward releases it)
+                return None
+            token = self._launch_forward(e, stream, param, inputs)
+            readings = e.copy_readings(stream)
+            self.stats["forward_replay"] += 1
+            state = (e.copy_bank(stream) if seq_len is None else
+                     ReplayedState(e, token, seq_len))
         return readings, state, None
 
     def _replay(self, e, stream, param, inputs, config, batch, bank_dtype, seq_len,
