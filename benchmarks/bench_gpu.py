@@ -95,8 +95,10 @@ def make_inputs(B, T, P, hd, S, W, seed=0):
     return bank, wi, ww, v, beta, ri, rw, dr
 
 
-def bench_sdm(B, T, P, hd, S, W, C, bw, reps=10, tile=None, threads=256, keep=None):
+def bench_sdm(B, T, P, hd, S, W, C, bw, reps=10, tile=None, threads=256, keep=None,
+              bwd_threads=512, bwd_tile=None):
     gpu.TILE_WIDTH, gpu.THREADS, gpu.KEEP_ROWS = tile, threads, keep
+    gpu.BWD_THREADS, gpu.BWD_TILE_WIDTH = bwd_threads, bwd_tile
     bank, wi, ww, v, beta, ri, rw, dr = make_inputs(B, T, P, hd, S, W)
     cfg = sdm.SDMConfig(num_memory_slots=S, num_parallel=P, chunk_size=C)
 
@@ -136,6 +138,7 @@ def bench_sdm(B, T, P, hd, S, W, C, bw, reps=10, tile=None, threads=256, keep=No
     # the pre-pass alone (bank-independent part of the forward)
     lay = sdm._validate.layout(bank, wi, ww, v, beta, ri, rw, cfg)
     pl = gpu.plan(lay, cfg)
+    bwd_tw = gpu.plan(lay, cfg, backward=True).TW
     t_pre = timeit(lambda: gpu._prepass_sparse(lay, pl, np.dtype(np.float32), wi, ww, ri, rw,
                                                beta), reps)
     snaps = B * T * P * W * hd * 2
@@ -143,9 +146,11 @@ def bench_sdm(B, T, P, hd, S, W, C, bw, reps=10, tile=None, threads=256, keep=No
     outputs = v.nbytes * 2 + ww.nbytes * 2 + beta.nbytes
     f_fwd, f_fb = floors(B, T, P, hd, S, W, C, wi.get(), ri.get())
     gpu.TILE_WIDTH, gpu.THREADS, gpu.KEEP_ROWS = None, 256, None
+    gpu.BWD_THREADS, gpu.BWD_TILE_WIDTH = 512, None
     sdm.check_device_errors()
     return dict(B=B, T=T, P=P, hd=hd, S=S, W=W, C=C, tile=tile or "auto", threads=threads,
                 t_prepass_ms=t_pre * 1e3, tile_used=pl.TW, keep=pl.keep,
+                bwd_tile_used=bwd_tw, bwd_threads=bwd_threads,
                 t_fwd_nosnap_ms=t_fwd_ns * 1e3, t_fwd_ms=t_fwd * 1e3, t_fb_ms=t_fb * 1e3,
                 fwd_tok_s=B * T / t_fwd, fb_tok_s=B * T / t_fb,
                 floor_fwd_ms=f_fwd / bw * 1e3, floor_fb_ms=f_fb / bw * 1e3,
@@ -223,6 +228,8 @@ def main():
     run("headline fwd threads=512", threads=512)
     run("headline rows re-read", keep=False)
     run("headline W=8", W=8)
+    run("headline bwd 256 threads", bwd_threads=256)
+    run("headline bwd tile=16", bwd_tile=16)
     if not args.quick:
         for tile in (8, 32, 64):
             run(f"headline tile={tile}", tile=tile)
@@ -239,16 +246,17 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_gpu.json"), "w") as f:
         json.dump(out, f, indent=1)
-    lines = ["| case | tile | fwd ms | pre-pass ms | fwd tok/s | fwd/floor | fwd+bwd ms | "
+    lines = ["| case | tile | bwd tile | fwd ms | pre-pass ms | fwd tok/s | fwd/floor | fwd+bwd ms | "
              "fwd+bwd tok/s | fb/floor | peak MB | need MB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['case']} | {r['tile_used']} | {r['t_fwd_ms']:.3f} | "
+        lines.append(f"| {r['case']} | {r['tile_used']} | {r['bwd_tile_used']} | "
+                     f"{r['t_fwd_ms']:.3f} | "
                      f"{r['t_prepass_ms']:.3f} | {r['fwd_tok_s']:.3g} | "
                      f"{r['fwd_over_floor']:.2f} | {r['t_fb_ms']:.3f} | {r['fb_tok_s']:.3g} | "
                      f"{r['fb_over_floor']:.2f} | {r['peak_mb']:.0f} | {r['need_mb']:.0f} |")
     if "t_fwd_ms" in fla:
-        lines.append(f"| FLA chunk_delta_rule (H=8, K=V=128) | - | {fla['t_fwd_ms']:.3f} | - | "
+        lines.append(f"| FLA chunk_delta_rule (H=8, K=V=128) | - | - | {fla['t_fwd_ms']:.3f} | - | "
                      f"{fla['fwd_tok_s']:.3g} | - | {fla['t_fb_ms']:.3f} | {fla['fb_tok_s']:.3g} "
                      "| - | - | - |")
     table = "\n".join(lines)

@@ -141,7 +141,7 @@ def _value_kinds(bank):
 def _names(src: str, key: tuple) -> list:
     if src == "prepass":
         acc, idx = key
-        return [prepass_name(acc, idx, 0), prepass_name(acc, idx, 1)]
+        return [prepass_name(acc, idx, 1), prepass_name(acc, idx, 2)]
     if src == "batch":
         (bank,) = key
         return list(batch_names(bank))

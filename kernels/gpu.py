@@ -6,8 +6,11 @@ Implements docs/BACKEND_CONTRACT.md. The op is three named launches (SPEC §3-§
               chunk, in parallel) -> sdm_fwd (one block per (b, p, column tile), chunks in
               order, the next chunk's bank-independent data copied ahead with cp.async);
               one-token chunks (C = 1, decoding) skip the pre-pass: sdm_fwd finds their overlaps
-    backward: sdm_prepass (again: recompute instead of store) -> sdm_bwd (chunks last to first,
-              rewinding the bank in place)
+    backward: per range of chunks, last range first: sdm_prepass<SPARSE=2> (sorted runs, read
+              links and CSR rows of Ainv, H^T, Ainv^T and G: recomputed instead of stored) ->
+              sdm_bwd (chunks last to first, rewinding the bank in place, the next chunk's
+              bank-independent data copied ahead with cp.async). The ranges bound the scratch
+              to about ``BWD_SCRATCH`` bytes.
 
 Every launch runs on the current CuPy stream; nothing here synchronises with the host or calls
 cuBLAS, so ``sdm_fwd``/``sdm_bwd`` can be captured into a CUDA graph. Scratch comes from
@@ -19,7 +22,9 @@ recorded in one host-mapped int; ``check_device_errors()`` synchronises and repo
 Process-wide settings the kernels read (a graph runner keys on ``settings()``):
 ``TILE_WIDTH`` (None: automatic) forces the width of the column tiles, ``THREADS`` the block size,
 ``KEEP_ROWS`` (None: automatic) whether the forward keeps its gathered rows in shared memory,
-``FUSE_THREADS`` (None: automatic) the block size of one-token (decoding) forwards.
+``FUSE_THREADS`` (None: automatic) the block size of one-token (decoding) forwards,
+``BWD_TILE_WIDTH`` (None: automatic) the backward's tile width, ``BWD_SCRATCH`` the backward's
+pre-pass scratch per range of chunks.
 """
 
 from __future__ import annotations
@@ -41,12 +46,15 @@ __all__ = ["check_config", "sdm_fwd", "sdm_bwd", "expand_memory_batch", "sum_mem
 THREADS = 256               # threads per block (a multiple of 32, at most 512)
 PREPASS_THREADS = 512       # threads per pre-pass block (independent chunks: no order to keep)
 BWD_THREADS = 512           # threads per backward block (None: THREADS)
+BWD_TILE_WIDTH = None       # override of the backward's column-tile width
+BWD_SCRATCH = 48 << 20      # bytes of pre-pass output per range of chunks of the backward
 MAX_ENTRIES = 4096          # write (or read) entries of one chunk: C*W, sorted in shared memory
 TILE_WIDTH = None           # override of the column-tile width (tests and benchmarks)
 KEEP_ROWS = None            # forward keeps gathered write rows in shared memory (None: when
                             # that still lets two blocks share a multiprocessor)
 KEEP_SMEM = 110 * 1024      # shared memory per block under which two blocks fit an SM (H100/H200)
 E_STAGE = 512               # CSR entries staged per chunk (kernels/sdm_fwd.cu)
+BE_STAGE = 1024             # the same for the backward (kernels/sdm_bwd.cu)
 FUSE_MAX_W = 64             # one-token chunks with W <= this skip the pre-pass launch
 FUSE_THREADS = None         # block size of those one-token launches (None: sized to their
                             # gather, at least 64; fewer registers per block, so that the
@@ -58,7 +66,8 @@ _ERRORS = {1: "write_idx values must lie in [0, num_memory_slots)",
 
 def settings() -> tuple:
     """The process-wide knobs the kernels read (part of a graph runner's key)."""
-    return (TILE_WIDTH, THREADS, KEEP_ROWS, PREPASS_THREADS, BWD_THREADS, FUSE_THREADS)
+    return (TILE_WIDTH, THREADS, KEEP_ROWS, PREPASS_THREADS, BWD_THREADS, FUSE_THREADS,
+            BWD_TILE_WIDTH, BWD_SCRATCH)
 
 
 # ---- the device error word ------------------------------------------------------------------
@@ -111,7 +120,9 @@ class Plan:
     smem_fwd: int       # including the kept rows when keep
     smem_bwd: int
     keep: bool          # the forward keeps its gathered write rows in shared memory
-    CS: int             # bytes per chunk of the CSR column array (C*C rounded up to 16)
+    CS: int             # bytes per chunk of the CSR column array (C*C, or 2*C*C for the
+                        # backward's form, rounded up to 16)
+    seg: int            # chunks per range of the backward (its pre-pass scratch)
 
 
 def _device_limits():
@@ -134,7 +145,8 @@ def _r16(x: int) -> int:
 
 def _smem(C, W, TW, N, acc_size, quant, idx_size=4, val_size=4, bank_size=4):
     """Shared memory per block of the pre-pass, the forward (without, then with the kept
-    rows) and the backward; the forward's mirrors FwdStage::carve in kernels/sdm_fwd.cu."""
+    rows) and the backward; those two mirror FwdStage::carve (kernels/sdm_fwd.cu) and
+    BwdStage::carve (kernels/sdm_bwd.cu) and the regions after them."""
     twp = -(-TW // N) * N
     tvp = (twp + 7) & ~7
     ld = C + 1
@@ -142,23 +154,35 @@ def _smem(C, W, TW, N, acc_size, quant, idx_size=4, val_size=4, bank_size=4):
     while m2 < 2 * C * W:
         m2 <<= 1
     pre = (m2 * 8 + (3 * C * ld + 2 * C * W + C) * acc_size
-           + (2 * C * W + C + 2 * C + 1 + C + 1) * 4 + C * C)
+           + (2 * C * W + C + 4 * C + 1 + C + 1) * 4 + C * C)
     cw = C * W
     stage = (2 * _r16(cw * acc_size) + _r16(C * acc_size) + _r16(E_STAGE * acc_size)
              + 2 * _r16(cw * idx_size) + _r16(C * tvp * val_size) + _r16((2 * C + 1) * 4)
              + _r16(cw * 4) + _r16(E_STAGE))
     fwd = 2 * stage + 3 * _r16(C * twp * acc_size) + (_r16(cw * 4) if quant else 0)
     fwd_keep = fwd + cw * twp * bank_size
-    bwd = ((3 * C * ld + 5 * C * twp + 2 * C + 4 * C * W) * acc_size + (4 * C * W + 4 * C) * 4
-           + 4 * C * C)
+    npt = twp // N
+    bstage = (2 * _r16(cw * acc_size) + _r16(C * acc_size) + _r16(BE_STAGE * acc_size)
+              + 2 * _r16(cw * idx_size) + 2 * _r16(C * tvp * val_size) + _r16((4 * C + 1) * 4)
+              + _r16(2 * cw * 4) + _r16(cw * 4) + _r16(BE_STAGE))
+    bwd = (2 * bstage + 4 * _r16(C * twp * acc_size) + 2 * _r16(cw * npt * acc_size)
+           + C * npt * acc_size)
     return pre, fwd, fwd_keep, bwd
 
 
-def _tile_width(lay: Layout, N: int, nsm: int, per_sm: int = 2) -> int:
-    if TILE_WIDTH is not None:   # rounded up to whole pieces: tiles start 16-byte aligned
-        return min(lay.hd, -(-max(1, int(TILE_WIDTH)) // N) * N)
+def _tile_width(lay: Layout, N: int, nsm: int, per_sm: int = 2, backward: bool = False) -> int:
+    force = BWD_TILE_WIDTH if backward and BWD_TILE_WIDTH is not None else TILE_WIDTH
+    if force is not None:   # rounded up to whole pieces: tiles start 16-byte aligned
+        return min(lay.hd, -(-max(1, int(force)) // N) * N)
     pieces = -(-lay.hd // N)
     ntile = 1
+    if backward:
+        # as many tiles as still fit one wave of `per_sm` blocks per multiprocessor (a block
+        # walks all chunks: a second wave would double the time), at least 2 pieces a tile
+        while (lay.B * lay.P * ntile * 2 <= per_sm * nsm
+               and -(-pieces // (ntile * 2)) >= 2):
+            ntile *= 2
+        return min(lay.hd, -(-pieces // ntile) * N)
     # enough blocks for `per_sm` per multiprocessor, while a tile keeps at least 2 pieces
     while lay.B * lay.P * ntile < per_sm * nsm and -(-pieces // (ntile * 2)) >= 2:
         ntile *= 2
@@ -176,10 +200,10 @@ def plan(lay: Layout, config, *, quant=None, limits=None, backward=False) -> Pla
     vk = K.kernel_value_dtype(lay.bank_dtype, lay.value_dtype)
     N = K.vec_width(lay.bank_dtype)
     C = min(lay.C, 64 if acc.itemsize == 4 else 32, MAX_ENTRIES // lay.W, lay.T)
-    # the backward's block holds about twice the forward's state: its tiles are twice as wide
-    # (one block per multiprocessor; benchmarks/RESULTS.md, GPU run 3)
-    TW = lay.hd if quant in ("fp8_e4m3", "int8") else _tile_width(lay, N, nsm,
-                                                                   1 if backward else 2)
+    # the backward runs one wave: one block per multiprocessor at 512 threads, two at 256
+    bwd_per_sm = 2 if (BWD_THREADS or THREADS) <= 256 else 1
+    TW = lay.hd if quant in ("fp8_e4m3", "int8") else _tile_width(
+        lay, N, nsm, bwd_per_sm if backward else 2, backward)
     sizes = dict(idx_size=np.dtype(lay.index_dtype).itemsize, val_size=vk.itemsize,
                  bank_size=np.dtype(lay.bank_dtype).itemsize)
     while True:
@@ -200,9 +224,11 @@ def plan(lay: Layout, config, *, quant=None, limits=None, backward=False) -> Pla
         keep = fwd_keep <= (KEEP_SMEM if fwd <= KEEP_SMEM else smem_max)
     else:
         keep = bool(KEEP_ROWS) and fwd_keep <= smem_max
+    per_chunk = (3 * C * lay.W + 4 * C + 1) * 4 + 2 * C * C * acc.itemsize + _r16(2 * C * C)
+    seg = max(1, min(Nt, BWD_SCRATCH // (lay.B * lay.P * per_chunk)))
     return Plan(C=C, Nt=Nt, TW=TW, ntile=ntile, N=N, smem_pre=pre,
                 smem_fwd=fwd_keep if keep else fwd, smem_bwd=bwd, keep=keep,
-                CS=_r16(C * C))
+                CS=_r16((2 if backward else 1) * C * C), seg=seg)
 
 
 def check_config(lay: Layout, config) -> None:
@@ -239,22 +265,6 @@ def _err_array():
     return np.uint64(_error_word())
 
 
-def _prepass(lay, pl, acc, wi, aw, ri, cw, beta, want_G):
-    """sdm_prepass: dense G, H, Ainv and the sorted runs of every chunk (the backward's form)."""
-    import cupy
-    nchunk = lay.B * lay.P * pl.Nt
-    Ainv = cupy.empty((nchunk, pl.C, pl.C), dtype=acc)
-    H = cupy.empty((nchunk, pl.C, pl.C), dtype=acc)
-    G = cupy.empty((nchunk, pl.C, pl.C), dtype=acc) if want_G else Ainv
-    srt = cupy.empty((nchunk, 2 * pl.C * lay.W), dtype=np.int32)
-    key = (acc, lay.index_dtype)
-    _launch("prepass", key, K.prepass_name(acc, lay.index_dtype, 0), nchunk, pl.smem_pre,
-            (wi, aw, ri, cw, beta, np.int32(lay.T), np.int32(lay.P), np.int32(lay.W),
-             np.int64(lay.S), np.int32(pl.C), np.int32(pl.Nt), np.int32(int(want_G)),
-             Ainv, H, G, srt, srt, srt, np.int32(0), _err_array()), PREPASS_THREADS)
-    return Ainv, H, (G if want_G else None), srt
-
-
 def _prepass_sparse(lay, pl, acc, wi, aw, ri, cw, beta):
     """sdm_prepass<SPARSE=1>: the forward's compact form of every chunk: write-run links
     [nchunk, C*W], CSR row pointers [nchunk, 2C+1], columns [nchunk, CS] (uint8) and values
@@ -268,9 +278,20 @@ def _prepass_sparse(lay, pl, acc, wi, aw, ri, cw, beta):
     key = (acc, lay.index_dtype)
     _launch("prepass", key, K.prepass_name(acc, lay.index_dtype, 1), nchunk, pl.smem_pre,
             (wi, aw, ri, cw, beta, np.int32(lay.T), np.int32(lay.P), np.int32(lay.W),
-             np.int64(lay.S), np.int32(pl.C), np.int32(pl.Nt), np.int32(0),
-             val, val, val, wrun, ptr, col, np.int32(pl.CS), _err_array()), PREPASS_THREADS)
+             np.int64(lay.S), np.int32(pl.C), np.int32(0), np.int32(pl.Nt),
+             val, wrun, ptr, col, np.int32(pl.CS), _err_array()), PREPASS_THREADS)
     return wrun, ptr, col, val
+
+
+def _bwd_scratch(lay, pl, acc):
+    """The backward pre-pass's output for one range of pl.seg chunks: sorted runs and read
+    links [n, 3*C*W], CSR row pointers [n, 4C+1], columns [n, CS], values [n, 2*C*C]."""
+    import cupy
+    n = lay.B * lay.P * pl.seg
+    return (cupy.empty((n, 3 * pl.C * lay.W), dtype=np.int32),
+            cupy.empty((n, 4 * pl.C + 1), dtype=np.int32),
+            cupy.empty((n, pl.CS), dtype=np.uint8),
+            cupy.empty((n, 2 * pl.C * pl.C), dtype=acc))
 
 
 def _snapshot_arrays(lay, mode):
@@ -354,24 +375,37 @@ def sdm_bwd(lay: Layout, config, bank, inputs, snapshots, dr, dM):
     if dM is None:
         dM = cupy.zeros((lay.B * lay.S, lay.D), dtype=gt)
     snap, scale = snapshots
-    Ainv, H, G, srt = _prepass(lay, pl, acc, write_idx, write_w, read_idx, read_w, beta, True)
+    srt, ptr, col, val = _bwd_scratch(lay, pl, acc)
     d_aw = cupy.zeros(write_w.shape, dtype=acc)
     d_cw = cupy.zeros(read_w.shape, dtype=acc)
     d_beta = cupy.zeros(beta.shape, dtype=acc)
     d_v = cupy.empty((lay.B, lay.T, lay.D), dtype=vk)
     N = pl.N
-    vecmask = (int(_aligned(bank, N)) | int(_aligned(v, N)) << 1
-               | int(_aligned(g, N) and _aligned(d_v, N)) << 2 | int(_aligned(snap, N)) << 3
-               | int(_aligned(dM, N)) << 4) if lay.hd % N == 0 else 0
+    # bits: 1 bank, 8 snapshots, 16 dM, 64 d_values (16-byte pieces); 2 values, 4 dr (16-byte
+    # staging)
+    vecmask = (int(_aligned(bank, N)) | int(_aligned(snap, N)) << 3 | int(_aligned(dM, N)) << 4
+               | int(_aligned(d_v, N)) << 6) if lay.hd % N == 0 else 0
+    sv = np.dtype(vk).itemsize
+    rows16 = (lay.hd * sv) % 16 == 0 and (pl.TW * sv) % 16 == 0
+    vecmask |= int(rows16 and v.data.ptr % 16 == 0) << 1 | int(rows16 and g.data.ptr % 16 == 0) << 2
     q = K.QUANT_CODE[mode]
     key = (lay.bank_dtype, vk, lay.index_dtype)
-    _launch("bwd", key, K.bwd_name(lay.bank_dtype, vk, gt, lay.index_dtype, q),
-            lay.B * lay.P * pl.ntile, pl.smem_bwd,
-            (bank, write_idx, write_w, v, beta, read_idx, read_w, Ainv, H, G, srt, snap,
-             scale if scale is not None else d_beta, g, dM, d_aw, d_v, d_beta, d_cw,
-             np.int32(lay.T), np.int32(lay.P), np.int32(lay.hd), np.int32(lay.W),
-             np.int64(lay.S), np.int32(pl.C), np.int32(pl.Nt), np.int32(pl.TW),
-             np.int32(pl.ntile), np.int32(vecmask)), BWD_THREADS)
+    pkey = (acc, lay.index_dtype)
+    pre_name = K.prepass_name(acc, lay.index_dtype, 2)
+    bwd_name = K.bwd_name(lay.bank_dtype, vk, gt, lay.index_dtype, q)
+    for hi in range(pl.Nt, 0, -pl.seg):   # ranges of chunks, the last first
+        lo = max(0, hi - pl.seg)
+        _launch("prepass", pkey, pre_name, lay.B * lay.P * (hi - lo), pl.smem_pre,
+                (write_idx, write_w, read_idx, read_w, beta, np.int32(lay.T), np.int32(lay.P),
+                 np.int32(lay.W), np.int64(lay.S), np.int32(pl.C), np.int32(lo),
+                 np.int32(hi - lo), val, srt, ptr, col, np.int32(pl.CS), _err_array()),
+                PREPASS_THREADS)
+        _launch("bwd", key, bwd_name, lay.B * lay.P * pl.ntile, pl.smem_bwd,
+                (bank, write_idx, write_w, v, beta, read_idx, read_w, ptr, col, val, srt, snap,
+                 scale if scale is not None else d_beta, g, dM, d_aw, d_v, d_beta, d_cw,
+                 np.int32(lay.T), np.int32(lay.P), np.int32(lay.hd), np.int32(lay.W),
+                 np.int64(lay.S), np.int32(pl.C), np.int32(lo), np.int32(hi), np.int32(pl.TW),
+                 np.int32(pl.ntile), np.int32(pl.CS), np.int32(vecmask)), BWD_THREADS)
     if vk != lay.value_dtype:
         d_v = d_v.astype(lay.value_dtype)
     return dM, d_aw, d_v, d_beta, d_cw

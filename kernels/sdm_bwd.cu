@@ -1,22 +1,34 @@
 // Backward of SPEC §4, rewinding the bank in place. One block per (b, p, column tile), walking
-// the chunks last to first; dM (the grad of the bank at the chunk's end) lives in global memory
-// and the block owns its tile of it, like the bank. Per chunk:
-//   A  rewind M[i] <- snapshot (dequantized), X = sum_w a M0[i], D = sum_w a dM[i], dr, e0 = v - X
-//   B  (after the rewind) dc_{t,w} += dr_t . M0[j_{t,w}]
-//   u = Ainv diag(beta) e0;  e = e0 - tril(G,-1) u;  du = D + H^T dr;  z = Ainv^T du
-//   dv = beta z;  dbeta_t += z_t . e_t;  dX = -beta z
-//   C  da_{t,w} += u_t . dM[i] + dX_t . M0[i]
-//      overlap terms of step 5 from the runs of equal slots (pre-pass sort), with
-//      dG[t,tau] = -beta_t z_t . u_tau (tau < t) and dH[s,t] = dr_s . u_t (t <= s)
-//   scatter dM[slot] += sum over the slot's entries of a dX_t (writes) and c dr_t (reads)
-// da, dc, dbeta are dot products over hd: each tile adds its part with one atomicAdd per entry
-// (so their last bits depend on the order of the tiles); dv, the bank and dM are exact owners.
+// the chunks n_hi-1 down to n_lo (the launcher splits a long sequence into ranges of chunks, so
+// that the pre-pass scratch stays small); dM (the grad of the bank at the chunk's end) lives in
+// global memory and the block owns its tile of it, like the bank.
+//
+// Everything of a chunk that does not depend on the bank (ids, weights, beta, the values and
+// dr tiles, the sorted runs, the read links and the CSR rows of sdm_prepass.cu's SPARSE = 2
+// form) is copied into shared memory with cp.async one chunk ahead. A chunk then costs two
+// round trips to global memory:
+//   1  per write entry: the snapshot row M0[i] (rewound into the bank at once) and dM[i];
+//      per read entry: M0[j] = the snapshot of the write that heads j's run, or the bank row
+//      (not written in this chunk, so already M0); X = sum_w a M0[i], D = sum_w a dM[i],
+//      e0 = v - X, and dr_t . M0[j] (dc)
+//      u = Ainv diag(beta) e0;  e = e0 - tril(G,-1) u;  du = D + H^T dr;  z = Ainv^T du
+//   2  per write entry again (L2): u_t . dM[i] + dX_t . M0[i] (da), dX = -beta z;
+//      dv = beta z, dbeta_t = z_t . e_t
+// then the overlap terms of step 5 from the runs of equal slots, with dG[t,tau] = -beta_t
+// z_t . u_tau (tau < t) and dH[s,t] = dr_s . u_t (t <= s), and the scatter dM[slot] += sum over
+// the slot's entries of a dX_t (writes) and c dr_t (reads): one thread per (slot, piece) sums
+// its run in entry order and adds it with one atomic per element (float and double grads; the
+// block owns the address, so the result is the plain sum) or a read-modify-write (16-bit).
+// Partial dot products go through shared arrays written by exactly one thread each and summed
+// in a fixed order; da, dc, dbeta then get one global atomicAdd per tile (so their last bits
+// depend on the order of the tiles); dv, the bank and dM are exact.
 
 #include "sdm_common.cuh"
 
 namespace sdm {
 
-constexpr int SB = 4;   // scatter tasks per thread whose loads are in flight together
+constexpr int BWS_MAX = 4;     // threads splitting a token's W entries
+constexpr int BE_STAGE = 1024; // CSR entries of a chunk staged in shared memory (more: from L2)
 constexpr int B_RUN_HEAD = 1 << 30, B_RUN_BAD = 1 << 29, B_QMASK = (1 << 14) - 1;
 
 template <int N, typename A, typename T, typename ST, int Q>
@@ -42,124 +54,264 @@ struct SnapIO {
       }
     }
   }
+  // M0 as the rewound bank holds it (rounded to the bank dtype): what a read of the slot sees
+  __device__ static void load_m0(A (&m)[N], const ST* __restrict__ p, float sc, int nv, bool vec) {
+    T raw[N];
+    load(m, raw, p, sc, nv, vec);
+    if constexpr (Q != 0) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) m[i] = to_acc(raw[i], A());
+    }
+  }
 };
 
+// dM pieces bypass L1 (.cg): the scatter's atomics update them in L2
+template <int N, typename A, typename T>
+__device__ __forceinline__ void load_grad(A (&out)[N], const T* __restrict__ p, int nv, bool vec) {
+  constexpr int NB = (int)sizeof(T) * N;
+  if constexpr (NB % 16 == 0) {
+    if (vec && nv == N) {
+      union { int4 q[NB / 16]; T v[N]; } u;
+#pragma unroll
+      for (int j = 0; j < NB / 16; ++j) u.q[j] = __ldcg(reinterpret_cast<const int4*>(p) + j);
+#pragma unroll
+      for (int i = 0; i < N; ++i) out[i] = to_acc(u.v[i], A());
+      return;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = i < nv ? to_acc(__ldcg(p + i), A()) : A(0);
+}
+
+// dM[row piece] += g: atomics for float/double grads (one per element; float4 on sm_90), a
+// plain read-modify-write for 16-bit grads (the block is the address's only writer)
+template <int N, typename A, typename Gt>
+__device__ __forceinline__ void add_grad(Gt* __restrict__ p, const A (&g)[N], int nv, bool vec) {
+  if constexpr (sizeof(Gt) >= 4) {
+#if __CUDA_ARCH__ >= 900
+    if constexpr (sizeof(Gt) == 4 && N % 4 == 0) {
+      if (vec && nv == N) {
+#pragma unroll
+        for (int i = 0; i < N; i += 4)
+          atomicAdd(reinterpret_cast<float4*>(p + i),
+                    make_float4((float)g[i], (float)g[i + 1], (float)g[i + 2], (float)g[i + 3]));
+        return;
+      }
+    }
+#endif
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+      if (i < nv) atomicAdd(p + i, From<Gt>::cvt(g[i]));
+  } else {
+    A m[N];
+    load_grad<N>(m, p, nv, vec);
+#pragma unroll
+    for (int i = 0; i < N; ++i) m[i] += g[i];
+    store_piece<N>(p, m, nv, vec);
+  }
+}
+
+template <typename A, typename V>
+__device__ __forceinline__ A dot_va(const V* x, const A* y, int n) {
+  A s = A(0);
+  for (int i = 0; i < n; ++i) s += to_acc(x[i], A()) * y[i];
+  return s;
+}
 template <typename A>
-__device__ __forceinline__ A dot_rows(const A* x, const A* y, int n) {
+__device__ __forceinline__ A dot_aa(const A* x, const A* y, int n) {
   A s = A(0);
   for (int i = 0; i < n; ++i) s += x[i] * y[i];
   return s;
 }
+
+// Shared-memory layout of the backward's per-chunk stage (kernels/gpu.py's _smem mirrors it:
+// every region rounded up to 16 bytes, in this order).
+template <typename V, typename A, typename I>
+struct BwdStage {
+  A* aw; A* cw; A* beta; A* ev; I* wid; I* rid; V* val; V* drv; int* ptr; int* srt; int* rl;
+  unsigned char* ec;
+  __device__ unsigned char* carve(unsigned char* p, int C, int W, int TVP) {
+    aw = reinterpret_cast<A*>(p);     p += r16((long long)C * W * sizeof(A));
+    cw = reinterpret_cast<A*>(p);     p += r16((long long)C * W * sizeof(A));
+    beta = reinterpret_cast<A*>(p);   p += r16((long long)C * sizeof(A));
+    ev = reinterpret_cast<A*>(p);     p += r16((long long)BE_STAGE * sizeof(A));
+    wid = reinterpret_cast<I*>(p);    p += r16((long long)C * W * sizeof(I));
+    rid = reinterpret_cast<I*>(p);    p += r16((long long)C * W * sizeof(I));
+    val = reinterpret_cast<V*>(p);    p += r16((long long)C * TVP * sizeof(V));
+    drv = reinterpret_cast<V*>(p);    p += r16((long long)C * TVP * sizeof(V));
+    ptr = reinterpret_cast<int*>(p);  p += r16((long long)(4 * C + 1) * 4);
+    srt = reinterpret_cast<int*>(p);  p += r16((long long)2 * C * W * 4);
+    rl = reinterpret_cast<int*>(p);   p += r16((long long)C * W * 4);
+    ec = p;                           p += r16(BE_STAGE);
+    return p;
+  }
+};
 
 template <typename T, typename V, typename A, typename Gt, typename I, int Q, int N>
 __global__ void __launch_bounds__(512)
 sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restrict__ aw,
                const V* __restrict__ vals, const A* __restrict__ beta,
                const I* __restrict__ ri, const A* __restrict__ cw,
-               const A* __restrict__ Ainv_g, const A* __restrict__ H_g,
-               const A* __restrict__ G_g, const int* __restrict__ srt_g,
+               const int* __restrict__ sp_ptr, const unsigned char* __restrict__ sp_col,
+               const A* __restrict__ sp_val, const int* __restrict__ srt_g,
                const typename Snap<T, Q>::type* __restrict__ snap,
                const float* __restrict__ scale, const V* __restrict__ dr,
                Gt* __restrict__ dM, A* __restrict__ d_aw, V* __restrict__ d_vals,
                A* __restrict__ d_beta, A* __restrict__ d_cw,
-               int T_, int P, int hd, int W, long long S, int C, int Nt, int TW, int ntile,
-               int vecmask) {
+               int T_, int P, int hd, int W, long long S, int C, int n_lo, int n_hi, int TW,
+               int ntile, int CS, int vecmask) {
   typedef typename Snap<T, Q>::type ST;
   const int tile = blockIdx.x % ntile, bp = blockIdx.x / ntile, p = bp % P, b = bp / P;
-  const int D = P * hd, c0 = tile * TW, tw = min(TW, hd - c0);
-  const int NPC = (tw + N - 1) / N, TWP = ((TW + N - 1) / N) * N, ld = C + 1;
-  const bool vb = vecmask & 1, vv = vecmask & 2, vr = vecmask & 4, vs = vecmask & 8,
-             vg = vecmask & 16;
+  const int D = P * hd, c0 = tile * TW, tw = min(TW, hd - c0), nseg = n_hi - n_lo;
+  const int NPC = (tw + N - 1) / N, TWP = ((TW + N - 1) / N) * N, TVP = (TWP + 7) & ~7;
+  const int NPT = TWP / N;   // partial-sum slots per entry
+  const bool vb = vecmask & 1, v16 = vecmask & 2, d16 = vecmask & 4, vs = vecmask & 8,
+             vg = vecmask & 16, vd = vecmask & 64;
+  constexpr int NV = 16 / sizeof(V);
 
   extern __shared__ __align__(16) unsigned char smem[];
-  A* Ai_s = reinterpret_cast<A*>(smem);
-  A* H_s = Ai_s + C * ld;
-  A* G_s = H_s + C * ld;
-  A* E_s = G_s + C * ld;      // e0, then e
-  A* U_s = E_s + C * TWP;
-  A* R_s = U_s + C * TWP;     // dr
-  A* D_s = R_s + C * TWP;     // sum_w a dM[i], then du
-  A* Z_s = D_s + C * TWP;
-  A* beta_s = Z_s + C * TWP;
-  A* da_s = beta_s + C;
-  A* dc_s = da_s + C * W;
-  A* db_s = dc_s + C * W;
-  A* aw_s = db_s + C;               // the chunk's weights and ids, staged once (-1: a bad id)
-  A* cw_s = aw_s + C * W;
-  int* srt_s = reinterpret_cast<int*>(cw_s + C * W);
-  int* wid_s = srt_s + 2 * C * W;
-  int* rid_s = wid_s + C * W;
-  int* cnt = rid_s + C * W;                                       // 4 lists x C
-  unsigned char* idx = reinterpret_cast<unsigned char*>(cnt + 4 * C);   // 4 lists x C*C
-  int *ar_cnt = cnt, *ac_cnt = cnt + C, *hc_cnt = cnt + 2 * C, *gr_cnt = cnt + 3 * C;
-  unsigned char *ar_idx = idx, *ac_idx = idx + C * C, *hc_idx = idx + 2 * C * C,
-                *gr_idx = idx + 3 * C * C;
+  BwdStage<V, A, I> st;
+  const long long stage_bytes = st.carve(smem, C, W, TVP) - smem;
+  unsigned char* sp = smem + 2 * stage_bytes;
+  A* E_s = reinterpret_cast<A*>(sp);  sp += r16((long long)C * TWP * sizeof(A));   // e0, then e
+  A* U_s = reinterpret_cast<A*>(sp);  sp += r16((long long)C * TWP * sizeof(A));
+  A* D_s = reinterpret_cast<A*>(sp);  sp += r16((long long)C * TWP * sizeof(A));   // D, then du
+  A* Z_s = reinterpret_cast<A*>(sp);  sp += r16((long long)C * TWP * sizeof(A));
+  A* pa_s = reinterpret_cast<A*>(sp); sp += r16((long long)C * W * NPT * sizeof(A));  // da parts
+  A* pc_s = reinterpret_cast<A*>(sp); sp += r16((long long)C * W * NPT * sizeof(A));  // dc parts
+  A* pb_s = reinterpret_cast<A*>(sp);                                                 // dbeta
 
   T* bank_b = bank + (long long)b * S * D + p * hd + c0;
   Gt* dM_b = dM + (long long)b * S * D + p * hd + c0;
-  for (int n = Nt - 1; n >= 0; --n) {
+  const FastDiv divW(W), divNPC(NPC);
+
+  auto stage = [&](int n) {
+    BwdStage<V, A, I> g;
+    g.carve(smem + (n & 1) * stage_bytes, C, W, TVP);
+    return g;
+  };
+  auto prefetch = [&](int n) {
+    const BwdStage<V, A, I> g = stage(n);
     const int t0 = n * C, L = min(C, T_ - t0), Ne = L * W;
-    const long long chunk = (long long)bp * Nt + n;
+    const long long chunk = (long long)bp * nseg + (n - n_lo);
     const long long tokb = ((long long)b * T_ + t0) * P + p;
-#pragma unroll 4
-    for (int i = threadIdx.x; i < L * C; i += blockDim.x) {
-      const int r = i / C, c = i % C;
-      Ai_s[r * ld + c] = Ainv_g[chunk * C * C + i];
-      H_s[r * ld + c] = H_g[chunk * C * C + i];
-      G_s[r * ld + c] = G_g[chunk * C * C + i];
-    }
-#pragma unroll 4
-    for (int i = threadIdx.x; i < 2 * Ne; i += blockDim.x) srt_s[i] = srt_g[chunk * 2 * C * W + i];
-#pragma unroll 4
+    int t = threadIdx.x / W, w = threadIdx.x % W;
+    const int dt = blockDim.x / W, dw = blockDim.x % W;
     for (int i = threadIdx.x; i < Ne; i += blockDim.x) {
-      da_s[i] = A(0);
-      dc_s[i] = A(0);
-      const long long off = (tokb + (long long)(i / W) * P) * W + i % W;
-      const I iw = wi[off], ir = ri[off];
-      const bool okw = valid_id(iw, S), okr = valid_id(ir, S);
-      wid_s[i] = okw ? (int)iw : -1;
-      aw_s[i] = okw ? aw[off] : A(0);
-      rid_s[i] = okr ? (int)ir : -1;
-      cw_s[i] = okr ? cw[off] : A(0);
+      const long long off = (tokb + (long long)t * P) * W + w;
+      t += dt;
+      w += dw;
+      if (w >= W) { w -= W; ++t; }
+      cp_elem(g.wid + i, wi + off);
+      cp_elem(g.rid + i, ri + off);
+      cp_elem(g.aw + i, aw + off);
+      cp_elem(g.cw + i, cw + off);
+      cp_async<4>(g.rl + i, srt_g + chunk * 3 * C * W + 2 * C * W + i);
     }
-    for (int t = threadIdx.x; t < L; t += blockDim.x) {
-      beta_s[t] = beta[tokb + (long long)t * P];
-      db_s[t] = A(0);
+    for (int i = threadIdx.x; i < 2 * Ne; i += blockDim.x)
+      cp_async<4>(g.srt + i, srt_g + chunk * 3 * C * W + i);
+    for (int j = threadIdx.x; j < L; j += blockDim.x) cp_elem(g.beta + j, beta + tokb + (long long)j * P);
+    for (int i = threadIdx.x; i <= 4 * C; i += blockDim.x)
+      cp_async<4>(g.ptr + i, sp_ptr + chunk * (4 * C + 1) + i);
+    const int E_cap = min(BE_STAGE, 2 * C * C);
+    for (int k = threadIdx.x; k < E_cap; k += blockDim.x) cp_elem(g.ev + k, sp_val + chunk * 2 * C * C + k);
+    for (int k = threadIdx.x; 4 * k < E_cap; k += blockDim.x)
+      cp_async<4>(g.ec + 4 * k, sp_col + chunk * CS + 4 * k);
+    const long long vrow0 = ((long long)b * T_ + t0) * D + p * hd + c0;
+    if (v16) {
+      const int pcs = tw / NV;
+      for (int i = threadIdx.x; i < L * pcs; i += blockDim.x) {
+        const int tt = i / pcs, j = (i % pcs) * NV;
+        cp_async<16>(g.val + tt * TVP + j, vals + vrow0 + (long long)tt * D + j);
+      }
+    } else {
+      for (int i = threadIdx.x; i < L * tw; i += blockDim.x) {
+        const int tt = i / tw, j = i % tw;
+        cp_elem(g.val + tt * TVP + j, vals + vrow0 + (long long)tt * D + j);
+      }
+    }
+    if (d16) {
+      const int pcs = tw / NV;
+      for (int i = threadIdx.x; i < L * pcs; i += blockDim.x) {
+        const int tt = i / pcs, j = (i % pcs) * NV;
+        cp_async<16>(g.drv + tt * TVP + j, dr + vrow0 + (long long)tt * D + j);
+      }
+    } else {
+      for (int i = threadIdx.x; i < L * tw; i += blockDim.x) {
+        const int tt = i / tw, j = i % tw;
+        cp_elem(g.drv + tt * TVP + j, dr + vrow0 + (long long)tt * D + j);
+      }
+    }
+    cp_commit();
+  };
+
+  int WS = 1;
+  while (WS < BWS_MAX && WS * 2 <= W) WS *= 2;
+
+  prefetch(n_hi - 1);
+  for (int n = n_hi - 1; n >= n_lo; --n) {
+    const BwdStage<V, A, I> g = stage(n);
+    const int t0 = n * C, L = min(C, T_ - t0), Ne = L * W;
+    const long long chunk = (long long)bp * nseg + (n - n_lo);
+    const long long tokb = ((long long)b * T_ + t0) * P + p;
+    if (n > n_lo) {   // the other stage was released by the barrier that ended chunk n + 1
+      prefetch(n - 1);
+      cp_wait<1>();
+    } else {
+      cp_wait<0>();
     }
     __syncthreads();
-    build_lists(Ai_s, ld, L, C, ar_idx, ar_cnt, false);
-    build_lists(Ai_s, ld, L, C, ac_idx, ac_cnt, true);
-    build_lists(H_s, ld, L, C, hc_idx, hc_cnt, true);
-    build_lists(G_s, ld, L, C, gr_idx, gr_cnt, false);
+    const int nnz = g.ptr[4 * C];
+    const A* ev = nnz <= BE_STAGE ? g.ev : sp_val + chunk * 2 * C * C;
+    const unsigned char* ec = nnz <= BE_STAGE ? g.ec : sp_col + chunk * CS;
+    const int TP = L * NPC, total = TP * WS;
 
-    // WS threads share a (token, piece) and split its W entries (many loads in flight)
-    int WS = 1;
-    while (WS < 4 && WS * 2 <= W) WS *= 2;   // fixed, as in the forward
-    const int total = L * NPC * WS;
-    // A: rewind, X, D, dr, e0
+    // 1: snapshots (rewound at once), dM of the written rows, M0 of the read rows
     for (int base = 0; base < total; base += blockDim.x) {
       const int task = base + threadIdx.x, ws = task % WS, tp = task / WS;
       const bool act = task < total;
-      const int t = tp / NPC, cc = (tp % NPC) * N, nv = min(N, tw - cc);
+      const int t = divNPC.div(tp), pc = tp - t * NPC, cc = pc * N, nv = min(N, tw - cc);
       const long long tok = tokb + (long long)t * P;
-      A x[N], d[N];
+      A x[N], d[N], r[N];
 #pragma unroll
-      for (int i = 0; i < N; ++i) { x[i] = A(0); d[i] = A(0); }
+      for (int i = 0; i < N; ++i) {
+        x[i] = A(0);
+        d[i] = A(0);
+        r[i] = act && i < nv ? to_acc(g.drv[t * TVP + cc + i], A()) : A(0);
+      }
       if (act) {
 #pragma unroll 2
         for (int w = ws; w < W; w += WS) {
-          const long long off = tok * W + w;
-          const int id = wid_s[t * W + w];
-          if (id < 0) continue;
-          A m[N], g[N];
-          T raw[N];
-          SnapIO<N, A, T, ST, Q>::load(m, raw, snap + off * hd + c0 + cc,
-                                       Q > 1 ? scale[off] : 0.f, nv, vs);
-          store_raw<N>(bank_b + (long long)id * D + cc, raw, nv, vb);
-          load_piece<N>(g, dM_b + (long long)id * D + cc, nv, vg);
-          const A a = aw_s[t * W + w];
+          const int e = t * W + w;
+          const I id = g.wid[e], jd = g.rid[e];
+          if (valid_id(id, S)) {
+            const long long off = tok * W + w;
+            A m[N], gg[N];
+            T raw[N];
+            SnapIO<N, A, T, ST, Q>::load(m, raw, snap + off * hd + c0 + cc,
+                                         Q > 1 ? scale[off] : 0.f, nv, vs);
+            load_grad<N>(gg, dM_b + (long long)id * D + cc, nv, vg);
+            store_raw<N>(bank_b + (long long)id * D + cc, raw, nv, vb);
+            const A a = g.aw[e];
 #pragma unroll
-          for (int i = 0; i < N; ++i) { x[i] += a * m[i]; d[i] += a * g[i]; }
+            for (int i = 0; i < N; ++i) { x[i] += a * m[i]; d[i] += a * gg[i]; }
+          }
+          A s = A(0);
+          if (valid_id(jd, S)) {
+            const int lk = g.rl[e];
+            A m[N];
+            if (lk) {   // the slot is written in this chunk: M0 is that write's snapshot
+              const int q = lk - 1, tq = divW.div(q);
+              const long long off = (tokb + (long long)tq * P) * W + (q - tq * W);
+              SnapIO<N, A, T, ST, Q>::load_m0(m, snap + off * hd + c0 + cc,
+                                              Q > 1 ? scale[off] : 0.f, nv, vs);
+            } else {
+              load_piece<N>(m, bank_b + (long long)jd * D + cc, nv, vb);
+            }
+#pragma unroll
+            for (int i = 0; i < N; ++i) s += r[i] * m[i];
+          }
+          pc_s[e * NPT + pc] = s;
         }
       }
       for (int o = 1; o < WS; o <<= 1) {
@@ -170,88 +322,73 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
         }
       }
       if (act && ws == 0) {
-        A v[N], r[N];
-        const long long vo = ((long long)b * T_ + t0 + t) * D + p * hd + c0 + cc;
-        load_piece<N>(v, vals + vo, nv, vv);
-        load_piece<N>(r, dr + vo, nv, vr);
 #pragma unroll
         for (int i = 0; i < N; ++i) {
-          E_s[t * TWP + cc + i] = v[i] - x[i];
+          const A v = i < nv ? to_acc(g.val[t * TVP + cc + i], A()) : A(0);
+          E_s[t * TWP + cc + i] = i < nv ? v - x[i] : A(0);
           D_s[t * TWP + cc + i] = d[i];
-          R_s[t * TWP + cc + i] = r[i];
         }
       }
     }
     __syncthreads();
-    // B: read rows of the rewound bank (dc); u = Ainv diag(beta) e0
-    for (int task = threadIdx.x; task < total; task += blockDim.x) {
-      const int ws = task % WS, tp = task / WS;
-      const int t = tp / NPC, cc = (tp % NPC) * N, nv = min(N, tw - cc);
-      for (int w = ws; w < W; w += WS) {
-        const int id = rid_s[t * W + w];
-        if (id < 0) continue;
-        A m[N];
-        load_piece<N>(m, bank_b + (long long)id * D + cc, nv, vb);
-        A s = A(0);
-#pragma unroll
-        for (int i = 0; i < N; ++i) s += m[i] * R_s[t * TWP + cc + i];
-        atomic_add(dc_s + t * W + w, s);
-      }
-    }
-    for (int task = threadIdx.x; task < L * NPC; task += blockDim.x) {
-      const int t = task / NPC, cc = (task % NPC) * N;
+    // u = Ainv diag(beta) e0 (unit diagonal implied)
+    for (int task = threadIdx.x; task < TP; task += blockDim.x) {
+      const int t = divNPC.div(task), cc = (task - t * NPC) * N;
       A u[N];
+      const A bt = g.beta[t];
 #pragma unroll
-      for (int i = 0; i < N; ++i) u[i] = A(0);
-      for (int k = 0; k < ar_cnt[t]; ++k) {
-        const int tau = ar_idx[t * C + k];
-        const A g = Ai_s[t * ld + tau] * beta_s[tau];
+      for (int i = 0; i < N; ++i) u[i] = bt * E_s[t * TWP + cc + i];
+      for (int k = g.ptr[t], ke = g.ptr[t + 1]; k < ke; ++k) {
+        const int tau = ec[k];
+        const A f = ev[k] * g.beta[tau];
 #pragma unroll
-        for (int i = 0; i < N; ++i) u[i] += g * E_s[tau * TWP + cc + i];
+        for (int i = 0; i < N; ++i) u[i] += f * E_s[tau * TWP + cc + i];
       }
 #pragma unroll
       for (int i = 0; i < N; ++i) U_s[t * TWP + cc + i] = u[i];
     }
     __syncthreads();
-    // e = e0 - tril(G,-1) u ; du = D + H^T dr   (each in place on its own (t, piece))
-    for (int task = threadIdx.x; task < L * NPC; task += blockDim.x) {
-      const int t = task / NPC, cc = (task % NPC) * N;
-      for (int k = 0; k < gr_cnt[t]; ++k) {
-        const int tau = gr_idx[t * C + k];
-        const A g = G_s[t * ld + tau];
+    // e = e0 - tril(G,-1) u ;  du = D + H^T dr   (each in place on its own (t, piece))
+    for (int task = threadIdx.x; task < TP; task += blockDim.x) {
+      const int t = divNPC.div(task), cc = (task - t * NPC) * N, nv = min(N, tw - cc);
+      for (int k = g.ptr[3 * C + t], ke = g.ptr[3 * C + t + 1]; k < ke; ++k) {
+        const int tau = ec[k];
+        const A f = ev[k];
 #pragma unroll
-        for (int i = 0; i < N; ++i) E_s[t * TWP + cc + i] -= g * U_s[tau * TWP + cc + i];
+        for (int i = 0; i < N; ++i) E_s[t * TWP + cc + i] -= f * U_s[tau * TWP + cc + i];
       }
-      for (int k = 0; k < hc_cnt[t]; ++k) {
-        const int s = hc_idx[t * C + k];
-        const A h = H_s[s * ld + t];
+      for (int k = g.ptr[C + t], ke = g.ptr[C + t + 1]; k < ke; ++k) {
+        const int s = ec[k];
+        const A f = ev[k];
 #pragma unroll
-        for (int i = 0; i < N; ++i) D_s[t * TWP + cc + i] += h * R_s[s * TWP + cc + i];
+        for (int i = 0; i < N; ++i)
+          if (i < nv) D_s[t * TWP + cc + i] += f * to_acc(g.drv[s * TVP + cc + i], A());
       }
     }
     __syncthreads();
     // z = Ainv^T du
-    for (int task = threadIdx.x; task < L * NPC; task += blockDim.x) {
-      const int t = task / NPC, cc = (task % NPC) * N;
+    for (int task = threadIdx.x; task < TP; task += blockDim.x) {
+      const int t = divNPC.div(task), cc = (task - t * NPC) * N;
       A z[N];
 #pragma unroll
-      for (int i = 0; i < N; ++i) z[i] = A(0);
-      for (int k = 0; k < ac_cnt[t]; ++k) {
-        const int s = ac_idx[t * C + k];
-        const A g = Ai_s[s * ld + t];
+      for (int i = 0; i < N; ++i) z[i] = D_s[t * TWP + cc + i];
+      for (int k = g.ptr[2 * C + t], ke = g.ptr[2 * C + t + 1]; k < ke; ++k) {
+        const int s = ec[k];
+        const A f = ev[k];
 #pragma unroll
-        for (int i = 0; i < N; ++i) z[i] += g * D_s[s * TWP + cc + i];
+        for (int i = 0; i < N; ++i) z[i] += f * D_s[s * TWP + cc + i];
       }
 #pragma unroll
       for (int i = 0; i < N; ++i) Z_s[t * TWP + cc + i] = z[i];
     }
     __syncthreads();
-    // dv, dbeta; C: da from dM and M0 rows
-    for (int task = threadIdx.x; task < total; task += blockDim.x) {
-      const int ws = task % WS, tp = task / WS;
-      const int t = tp / NPC, cc = (tp % NPC) * N, nv = min(N, tw - cc);
+    // 2: dv, dbeta parts; da parts from dM and M0 of the written rows
+    for (int base = 0; base < total; base += blockDim.x) {
+      const int task = base + threadIdx.x, ws = task % WS, tp = task / WS;
+      if (task >= total) break;
+      const int t = divNPC.div(tp), pc = tp - t * NPC, cc = pc * N, nv = min(N, tw - cc);
       const long long tok = tokb + (long long)t * P;
-      const A bt = beta_s[t];
+      const A bt = g.beta[t];
       A zu[N], dx[N];
 #pragma unroll
       for (int i = 0; i < N; ++i) {
@@ -266,110 +403,100 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
           dv[i] = -dx[i];
           sb += Z_s[t * TWP + cc + i] * E_s[t * TWP + cc + i];
         }
-        store_piece<N>(d_vals + ((long long)b * T_ + t0 + t) * D + p * hd + c0 + cc, dv, nv, vr);
-        atomic_add(db_s + t, sb);
+        store_piece<N>(d_vals + ((long long)b * T_ + t0 + t) * D + p * hd + c0 + cc, dv, nv, vd);
+        pb_s[t * NPT + pc] = sb;
       }
+#pragma unroll 2
       for (int w = ws; w < W; w += WS) {
-        const long long off = tok * W + w;
-        const int id = wid_s[t * W + w];
-        if (id < 0) continue;
-        A m[N], g[N];
-        T raw[N];
-        SnapIO<N, A, T, ST, Q>::load(m, raw, snap + off * hd + c0 + cc,
-                                     Q > 1 ? scale[off] : 0.f, nv, vs);
-        load_piece<N>(g, dM_b + (long long)id * D + cc, nv, vg);
+        const int e = t * W + w;
+        const I id = g.wid[e];
         A s = A(0);
+        if (valid_id(id, S)) {
+          const long long off = tok * W + w;
+          A m[N], gg[N];
+          T raw[N];
+          SnapIO<N, A, T, ST, Q>::load(m, raw, snap + off * hd + c0 + cc,
+                                       Q > 1 ? scale[off] : 0.f, nv, vs);
+          load_grad<N>(gg, dM_b + (long long)id * D + cc, nv, vg);
 #pragma unroll
-        for (int i = 0; i < N; ++i) s += zu[i] * g[i] + dx[i] * m[i];
-        atomic_add(da_s + t * W + w, s);
-      }
-    }
-    // overlap terms of step 5 (runs of length > 1 only)
-    for (int ps = threadIdx.x; ps < 2 * Ne; ps += blockDim.x) {
-      const int code = srt_s[ps];
-      if (code & B_RUN_BAD) continue;
-      const bool last = ps + 1 == 2 * Ne || (srt_s[ps + 1] & B_RUN_HEAD);
-      if ((code & B_RUN_HEAD) && last) continue;
-      int st = ps;
-      while (!(srt_s[st] & B_RUN_HEAD)) --st;
-      const int q = code & B_QMASK;
-      const bool isw = q < Ne;
-      const int t = (isw ? q : q - Ne) / W;
-      A acc = A(0);
-      for (int p2 = st; p2 < 2 * Ne; ++p2) {
-        const int c2 = srt_s[p2];
-        if (p2 > st && (c2 & B_RUN_HEAD)) break;
-        const int q2 = c2 & B_QMASK;
-        if (q2 < Ne) {                                   // a write entry (tau, w')
-          const int tau = q2 / W;
-          const A a2 = aw_s[q2];
-          if (isw) {
-            if (tau == t) continue;
-            const int hi = tau > t ? tau : t, lo = tau > t ? t : tau;
-            acc -= a2 * beta_s[hi] * dot_rows(Z_s + hi * TWP, U_s + lo * TWP, NPC * N);
-          } else if (tau <= t) {
-            acc += a2 * dot_rows(R_s + t * TWP, U_s + tau * TWP, NPC * N);
-          }
-        } else if (isw) {                                // a read entry (s, w'') of a write
-          const int s = (q2 - Ne) / W;
-          if (s < t) continue;
-          const A c2w = cw_s[q2 - Ne];
-          acc += c2w * dot_rows(R_s + s * TWP, U_s + t * TWP, NPC * N);
+          for (int i = 0; i < N; ++i) s += zu[i] * gg[i] + dx[i] * m[i];
         }
+        pa_s[e * NPT + pc] = s;
       }
-      atomic_add((isw ? da_s + q : dc_s + q - Ne), acc);
     }
     __syncthreads();
-    // per-tile partial sums -> global; dM scatter (after every read of dM in this chunk)
-    for (int i = threadIdx.x; i < Ne; i += blockDim.x) {
-      const long long off = (tokb + (long long)(i / W) * P) * W + i % W;
-      if (wid_s[i] >= 0) atomic_add(d_aw + off, da_s[i]);
-      if (rid_s[i] >= 0) atomic_add(d_cw + off, dc_s[i]);
-    }
-    for (int t = threadIdx.x; t < L; t += blockDim.x) atomic_add(d_beta + tokb + (long long)t * P, db_s[t]);
-    // (SB tasks per thread, their dM row loads issued before any store; distinct rows)
-    for (int base = threadIdx.x; base < 2 * Ne * NPC; base += SB * blockDim.x) {
-      A g[SB][N];
-      Gt* row[SB];
-      int pss[SB], ccs[SB], nvs[SB];
-#pragma unroll
-      for (int j = 0; j < SB; ++j) {
-        const int task = base + j * blockDim.x;
-        pss[j] = -1;
-        if (task < 2 * Ne * NPC) {
-          const int ps = task / NPC, code = srt_s[ps];
-          ccs[j] = (task % NPC) * N;
-          nvs[j] = min(N, tw - ccs[j]);
-          if ((code & B_RUN_HEAD) && !(code & B_RUN_BAD)) {
-            const int q = code & B_QMASK;
-            pss[j] = ps;
-            row[j] = dM_b + (long long)(q < Ne ? wid_s[q] : rid_s[q - Ne]) * D + ccs[j];
-            load_piece<N>(g[j], row[j], nvs[j], vg);
-          }
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < SB; ++j) {
-        if (pss[j] < 0) continue;
-        const int ps = pss[j], cc = ccs[j];
-        for (int p2 = ps; p2 < 2 * Ne; ++p2) {
-          const int c2 = srt_s[p2];
-          if (p2 > ps && (c2 & B_RUN_HEAD)) break;
+    // per entry (one thread per sorted position): its parts in piece order plus the overlap
+    // terms of its run, then one atomicAdd per tile
+    for (int ps = threadIdx.x; ps < 2 * Ne; ps += blockDim.x) {
+      const int code = g.srt[ps];
+      if (code & B_RUN_BAD) continue;
+      const int q = code & B_QMASK;
+      const bool isw = q < Ne;
+      const int e = isw ? q : q - Ne, t = divW.div(e);
+      const A* part = (isw ? pa_s : pc_s) + e * NPT;
+      A acc = A(0);
+      for (int k = 0; k < NPC; ++k) acc += part[k];
+      const bool last = ps + 1 == 2 * Ne || (g.srt[ps + 1] & B_RUN_HEAD);
+      if (!((code & B_RUN_HEAD) && last)) {   // a run of two or more entries
+        int st0 = ps;
+        while (!(g.srt[st0] & B_RUN_HEAD)) --st0;
+        for (int p2 = st0; p2 < 2 * Ne; ++p2) {
+          const int c2 = g.srt[p2];
+          if (p2 > st0 && (c2 & B_RUN_HEAD)) break;
           const int q2 = c2 & B_QMASK;
-          if (q2 < Ne) {
-            const int t2 = q2 / W;
-            const A f = -aw_s[q2] * beta_s[t2];
-#pragma unroll
-            for (int i = 0; i < N; ++i) g[j][i] += f * Z_s[t2 * TWP + cc + i];
-          } else {
-            const int t2 = (q2 - Ne) / W;
-            const A f = cw_s[q2 - Ne];
-#pragma unroll
-            for (int i = 0; i < N; ++i) g[j][i] += f * R_s[t2 * TWP + cc + i];
+          if (q2 < Ne) {                                   // a write entry (tau, w')
+            const int tau = divW.div(q2);
+            const A a2 = g.aw[q2];
+            if (isw) {
+              if (tau == t) continue;
+              const int hi = tau > t ? tau : t, lo = tau > t ? t : tau;
+              acc -= a2 * g.beta[hi] * dot_aa(Z_s + hi * TWP, U_s + lo * TWP, tw);
+            } else if (tau <= t) {
+              acc += a2 * dot_va(g.drv + t * TVP, U_s + tau * TWP, tw);
+            }
+          } else if (isw) {                                // a read entry (s, w'') of a write
+            const int s = divW.div(q2 - Ne);
+            if (s < t) continue;
+            acc += g.cw[q2 - Ne] * dot_va(g.drv + s * TVP, U_s + t * TWP, tw);
           }
         }
-        store_piece<N>(row[j], g[j], nvs[j], vg);
       }
+      const long long off = (tokb + (long long)t * P) * W + (e - t * W);
+      atomic_add((isw ? d_aw : d_cw) + off, acc);
+    }
+    for (int t = threadIdx.x; t < L; t += blockDim.x) {
+      A sb = A(0);
+      for (int k = 0; k < NPC; ++k) sb += pb_s[t * NPT + k];
+      atomic_add(d_beta + tokb + (long long)t * P, sb);
+    }
+    // scatter into dM: one thread per (run head, piece) sums its run in entry order
+    for (int task = threadIdx.x; task < 2 * Ne * NPC; task += blockDim.x) {
+      const int ps = divNPC.div(task), code = g.srt[ps];
+      if (!(code & B_RUN_HEAD) || (code & B_RUN_BAD)) continue;
+      const int cc = (task - ps * NPC) * N, nv = min(N, tw - cc);
+      const int q = code & B_QMASK;
+      A acc[N];
+#pragma unroll
+      for (int i = 0; i < N; ++i) acc[i] = A(0);
+      for (int p2 = ps; p2 < 2 * Ne; ++p2) {
+        const int c2 = g.srt[p2];
+        if (p2 > ps && (c2 & B_RUN_HEAD)) break;
+        const int q2 = c2 & B_QMASK;
+        if (q2 < Ne) {
+          const int t2 = divW.div(q2);
+          const A f = -g.aw[q2] * g.beta[t2];
+#pragma unroll
+          for (int i = 0; i < N; ++i) acc[i] += f * Z_s[t2 * TWP + cc + i];
+        } else {
+          const int t2 = divW.div(q2 - Ne);
+          const A f = g.cw[q2 - Ne];
+#pragma unroll
+          for (int i = 0; i < N; ++i)
+            if (i < nv) acc[i] += f * to_acc(g.drv[t2 * TVP + cc + i], A());
+        }
+      }
+      const long long slot = q < Ne ? (long long)g.wid[q] : (long long)g.rid[q - Ne];
+      add_grad<N>(dM_b + slot * D + cc, acc, nv, vg);
     }
     __syncthreads();
   }

@@ -170,4 +170,51 @@ __device__ void build_lists(const A* M, int ld, int L, int C, unsigned char* idx
   }
 }
 
+// ---- asynchronous global -> shared copies (sm_80+; a plain copy before) -------------------
+template <int BYTES>
+__device__ __forceinline__ void cp_async(void* dst, const void* src) {
+#if __CUDA_ARCH__ >= 800
+  const unsigned s = (unsigned)__cvta_generic_to_shared(dst);
+  if constexpr (BYTES == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src));
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(s), "l"(src), "n"(BYTES));
+#else
+  if constexpr (BYTES == 16) *reinterpret_cast<int4*>(dst) = *reinterpret_cast<const int4*>(src);
+  else if constexpr (BYTES == 8) *reinterpret_cast<long long*>(dst) = *reinterpret_cast<const long long*>(src);
+  else *reinterpret_cast<int*>(dst) = *reinterpret_cast<const int*>(src);
+#endif
+}
+__device__ __forceinline__ void cp_commit() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+template <int K>
+__device__ __forceinline__ void cp_wait() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(K));
+#endif
+}
+// one element of 4 or 8 bytes (2-byte elements are copied synchronously)
+template <typename E>
+__device__ __forceinline__ void cp_elem(E* dst, const E* src) {
+  if constexpr (sizeof(E) == 4 || sizeof(E) == 8) cp_async<sizeof(E)>(dst, src);
+  else *dst = *src;
+}
+
+__host__ __device__ constexpr long long r16(long long x) { return (x + 15) & ~15ll; }
+
+// n / d by a multiply: exact for 0 <= n < 2^16 and 1 <= d < 2^15 (the error n * (m - 2^32 / d)
+// / 2^32 < 2^-16 never carries past the next multiple of d); larger n divide plainly.
+struct FastDiv {
+  unsigned m;
+  int d;
+  __device__ explicit FastDiv(int d_) : m(d_ > 1 ? (unsigned)((0x100000000ull + d_ - 1) / d_) : 0u), d(d_) {}
+  __device__ __forceinline__ int div(int n) const {
+    if (d == 1) return n;
+    return n < 65536 && d < 32768 ? (int)__umulhi((unsigned)n, m) : n / d;
+  }
+};
+
 }  // namespace sdm

@@ -1,22 +1,26 @@
 // Pre-pass of SPEC §3/§4: everything of a chunk that depends on ids and weights only, not on
-// the bank, for all chunks at once (one block per (b, p, chunk)). Two output forms:
+// the bank, for a range of chunks at once (one block per (b, p, chunk): chunk n0 + blk % nseg
+// of (b, p) = blk / nseg). Two compact output forms, both CSR rows (sp_ptr, sp_col, sp_val)
+// of a few C x C matrices with the columns of each row ascending:
 //
-// SPARSE = 0 (the backward):
-//   srt  : the chunk's write entries q = t*W + w (q < N) and read entries q = N + t*W + w,
-//          sorted by (slot, q); bit 30 marks the first entry of a run of equal slots, bit 29 a
-//          slot id outside [0, S) (those sort last and are skipped by every kernel).
-//   G    : G[t][tau] = k_t . k_tau for tau < t (strictly lower), from the runs of equal slots,
-//   H    : H[t][tau] = q_t . k_tau for tau <= t,
-//   Ainv : (I + diag(beta) tril(G, -1))^{-1}, unit lower triangular (the WY form: u = Ainv *
-//          diag(beta) (v - X)).
-// SPARSE = 1 (the forward): only what the forward reads, compact:
+// SPARSE = 1 (the forward):
 //   wrun : per write entry q = t*W + w: bits 0-15 = 1 + the next write entry of the same slot
 //          (0: none; ascending q), bit 16 = q heads its slot's writes, bit 17 = a bad slot id,
-//   sp_ptr, sp_col, sp_val : CSR rows of the strictly lower part of Ainv (rows 0..C-1; its unit
-//          diagonal is implied) and of H (rows C..2C-1); sp_ptr[2C] = the chunk's entry count
-//          (at most L*L <= C*C: the arrays hold the worst case), columns ascending.
-// Overlaps come from the sort (bitonic, in shared memory), never from the C^2 W^2 pairs.
-// Each token row of G and H is accumulated by one thread in a fixed order: deterministic.
+//   rows 0..C-1 the strictly lower part of Ainv (its unit diagonal is implied), rows C..2C-1
+//          those of H (tau <= t); sp_ptr[2C] = the chunk's entry count (<= C*C).
+// SPARSE = 2 (the backward):
+//   srt  : the chunk's write entries q = t*W + w (q < N) and read entries q = N + t*W + w,
+//          sorted by (slot, q); bit 30 marks the first entry of a run of equal slots, bit 29 a
+//          slot id outside [0, S) (those sort last and are skipped by every kernel); then, per
+//          read entry, 1 + the write entry that heads its slot's run (0: the chunk does not
+//          write that slot),
+//   rows 0..C-1 the strictly lower rows of Ainv, C..2C-1 the columns of H (H[s][t], s >= t),
+//          2C..3C-1 the strictly lower columns of Ainv (Ainv[s][t], s > t), 3C..4C-1 the
+//          strictly lower rows of G; sp_ptr[4C] = the entry count (<= 2*C*C).
+// with G[t][tau] = k_t . k_tau (tau < t), H[t][tau] = q_t . k_tau (tau <= t), both from the runs
+// of equal slots, and Ainv = (I + diag(beta) tril(G, -1))^{-1} (the WY form: u = Ainv diag(beta)
+// (v - X)). Overlaps come from the sort (bitonic, in shared memory), never from the C^2 W^2
+// pairs. Each token row of G and H is accumulated by one thread in a fixed order: deterministic.
 
 #include "sdm_common.cuh"
 
@@ -28,32 +32,29 @@ constexpr int RUN_HEAD = 1 << 30, RUN_BAD = 1 << 29, QMASK = (1 << QBITS) - 1;
 
 constexpr int WRUN_HEAD = 1 << 16, WRUN_BAD = 1 << 17;
 
-// SPARSE = 1 reuses srt_g for wrun (C * W ints per chunk) and Ainv_g for the CSR values.
-__device__ __forceinline__ int* sp_wrun(int* srt_g, int blk, int C, int W) {
-  return srt_g + (long long)blk * C * W;
-}
 
 template <typename A, typename I, int SPARSE>
 __global__ void __launch_bounds__(512)
 sdm_prepass_kernel(const I* __restrict__ wi, const A* __restrict__ aw, const I* __restrict__ ri,
                    const A* __restrict__ cw, const A* __restrict__ beta,
-                   int T, int P, int W, long long S, int C, int Nt, int want_G,
-                   A* __restrict__ Ainv_g, A* __restrict__ H_g, A* __restrict__ G_g,
-                   int* __restrict__ srt_g, int* __restrict__ sp_ptr,
+                   int T, int P, int W, long long S, int C, int n0, int nseg,
+                   A* __restrict__ sp_val, int* __restrict__ srt_g, int* __restrict__ sp_ptr,
                    unsigned char* __restrict__ sp_col, int CS, int* err) {
-  const int blk = blockIdx.x;                // ((b * P + p) * Nt + n)
-  const int n = blk % Nt, bp = blk / Nt, p = bp % P, b = bp / P;
+  static_assert(SPARSE == 1 || SPARSE == 2, "the pre-pass has two output forms");
+  const int blk = blockIdx.x;                // (b * P + p) * nseg + n - n0
+  const int n = n0 + blk % nseg, bp = blk / nseg, p = bp % P, b = bp / P;
   const int t0 = n * C, L = min(C, T - t0), N = L * W, N2 = 2 * N;
-  const int NS = SPARSE ? N : N2;   // entries sorted: the sparse form sorts the writes only
+  const int NS = SPARSE == 1 ? N : N2;   // the forward's form sorts the writes only
+  constexpr int NSEC = SPARSE == 1 ? 2 : 4;   // CSR sections
   int M2 = 1;
   while (M2 < NS) M2 <<= 1;
   const int ld = C + 1;
 
   extern __shared__ __align__(16) unsigned char smem[];
   unsigned long long* keys = reinterpret_cast<unsigned long long*>(smem);
-  // layout: keys[M2max] | Gs, Hs, Ai [C * ld] | wq[2CW] | beta[C] | pos[2CW] | lcnt[C] | rptr[2C + 1]
-  //         | nzr[C + 1] | lidx[C * C] (u8). The sparse form keeps its read slots in the upper
-  //         half of keys (M2 <= M2max / 2 there).
+  // layout: keys[M2max] | Gs, Hs, Ai [C * ld] | wq[2CW] | beta[C] | pos[2CW] | lcnt[C] | rptr[4C + 1]
+  //         | nzr[C + 1] | lidx[C * C] (u8). The forward's form keeps its read slots in the
+  //         upper half of keys (M2 <= M2max / 2 there).
   int M2max = 1;
   while (M2max < 2 * C * W) M2max <<= 1;
   A* Gs = reinterpret_cast<A*>(keys + M2max);
@@ -64,7 +65,7 @@ sdm_prepass_kernel(const I* __restrict__ wi, const A* __restrict__ aw, const I* 
   int* pos = reinterpret_cast<int*>(bet_s + C);
   int* lcnt = pos + 2 * C * W;
   int* rptr = lcnt + C;
-  int* nzr = rptr + 2 * C + 1;      // rows of G with entries, ascending; nzr[C] = their count
+  int* nzr = rptr + 4 * C + 1;      // rows of G with entries, ascending; nzr[C] = their count
   unsigned char* lidx = reinterpret_cast<unsigned char*>(nzr + C + 1);
   unsigned long long* rslot = keys + M2max / 2;
 
@@ -85,7 +86,7 @@ sdm_prepass_kernel(const I* __restrict__ wi, const A* __restrict__ aw, const I* 
         flag_error(err, i < N ? 1 : 2);
       }
       key = (slot << QBITS) | (unsigned long long)i;
-      if (SPARSE && i >= N) rslot[i - N] = slot;
+      if (SPARSE == 1 && i >= N) rslot[i - N] = slot;
     }
     if (i < M2) keys[i] = i < NS ? key : ~0ull;
   }
@@ -111,23 +112,32 @@ sdm_prepass_kernel(const I* __restrict__ wi, const A* __restrict__ aw, const I* 
     const unsigned long long key = keys[i], slot = key >> QBITS;
     const int q = (int)(key & QMASK);
     const bool head = i == 0 || (keys[i - 1] >> QBITS) != slot;
-    if (SPARSE) {
+    if (SPARSE == 1) {
       if (q < N) {   // a write entry: link it to the next write entry of its slot
         int nxt = 0;
         if (i + 1 < NS && (keys[i + 1] >> QBITS) == slot) {
           const int q2 = (int)(keys[i + 1] & QMASK);
           if (q2 < N) nxt = q2 + 1;
         }
-        sp_wrun(srt_g, blk, C, W)[q] =
+        srt_g[(long long)blk * C * W + q] =
             nxt | (head ? WRUN_HEAD : 0) | (slot == KEY_BAD ? WRUN_BAD : 0);
       }
     } else {
-      const int code = q | (head ? RUN_HEAD : 0) | (slot == KEY_BAD ? RUN_BAD : 0);
-      srt_g[(long long)blk * 2 * C * W + i] = code;
+      int* out = srt_g + (long long)blk * 3 * C * W;
+      out[i] = q | (head ? RUN_HEAD : 0) | (slot == KEY_BAD ? RUN_BAD : 0);
+      if (q >= N) {   // a read entry: the write that heads its slot's run (binary search)
+        int lo = 0, hi = i;
+        while (lo < hi) {
+          const int mid = (lo + hi) >> 1;
+          if ((keys[mid] >> QBITS) < slot) lo = mid + 1; else hi = mid;
+        }
+        const int qh = (int)(keys[lo] & QMASK);
+        out[2 * C * W + q - N] = slot != KEY_BAD && qh < N ? qh + 1 : 0;
+      }
     }
     pos[q] = i;
   }
-  if (SPARSE) {
+  if (SPARSE == 1) {
     // each read entry's run of writes to its slot (binary search of the sorted writes):
     // pos[N + e] = first position | count << 16 (count 0: no write shares the slot)
     for (int e = threadIdx.x; e < N; e += blockDim.x) {
@@ -154,7 +164,7 @@ sdm_prepass_kernel(const I* __restrict__ wi, const A* __restrict__ aw, const I* 
     const int t = isH ? task - L : task;
     for (int w = 0; w < W; ++w) {
       const int q = (isH ? N : 0) + t * W + w;
-      if (SPARSE && isH) {   // walk the read's run of writes back (the dense form's order)
+      if (SPARSE == 1 && isH) {   // walk the read's run of writes back (same order as below)
         const int code = pos[q], start = code & 0xFFFF;
         const A wq = wq_s[q];
         for (int p2 = start + (code >> 16) - 1; p2 >= start; --p2) {
@@ -211,36 +221,29 @@ sdm_prepass_kernel(const I* __restrict__ wi, const A* __restrict__ aw, const I* 
     }
   }
   __syncthreads();
-  const long long mo = (long long)blk * C * C;
-  if (!SPARSE) {
-    // 6. dense C x C outputs (rows/cols >= L are zero)
-    for (int i = threadIdx.x; i < C * C; i += blockDim.x) {
-      const int r = i / C, c = i % C;
-      Ainv_g[mo + i] = Ai[r * ld + c];
-      H_g[mo + i] = Hs[r * ld + c];
-      if (want_G) G_g[mo + i] = Gs[r * ld + c];
-    }
-    return;
-  }
-  // 6'. CSR rows: r < C the strictly lower part of Ainv, r >= C row r - C of H (tau <= t).
-  //     One warp per row; counts, an exclusive scan, then the entries (columns ascending).
+  const long long mo = (long long)blk * (SPARSE == 1 ? 1 : 2) * C * C;
+  // 6. CSR rows, section by section (the header lists them). One warp per row; counts, an
+  //    exclusive scan, then the entries (columns ascending).
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarp = blockDim.x >> 5;
   for (int pass = 0; pass < 2; ++pass) {
-    for (int r = warp; r < 2 * C; r += nwarp) {
-      const bool isH = r >= C;
-      const int row = isH ? r - C : r;
-      const A* M = isH ? Hs : Ai;
+    for (int r = warp; r < NSEC * C; r += nwarp) {
+      const int sec = r / C, row = r - sec * C;
+      // sections: 0 Ainv rows (k < row); SPARSE 1: 1 H rows (k <= row); SPARSE 2: 1 H columns
+      // (k >= row), 2 Ainv columns (k > row), 3 G rows (k < row)
+      const A* M = sec == 0 || sec == 2 ? Ai : sec == 1 ? Hs : Gs;
+      const bool tr = SPARSE == 2 && (sec == 1 || sec == 2);
       int base = pass ? rptr[r] : 0;
       if (row < L) {
         for (int h = 0; h < C; h += 32) {
           const int k = h + lane;
-          const bool in = k < L && (isH ? k <= row : k < row);
-          const A v = in ? M[row * ld + k] : A(0);
+          const bool in = k < L && (sec == 0 || sec == 3 ? k < row
+                                    : SPARSE == 1 ? k <= row : sec == 1 ? k >= row : k > row);
+          const A v = in ? (tr ? M[k * ld + row] : M[row * ld + k]) : A(0);
           const unsigned nz = __ballot_sync(0xffffffffu, v != A(0));
           if (pass && v != A(0)) {
             const int at = base + __popc(nz & ((1u << lane) - 1u));
             sp_col[(long long)blk * CS + at] = (unsigned char)k;
-            Ainv_g[mo + at] = v;
+            sp_val[mo + at] = v;
           }
           base += __popc(nz);
         }
@@ -251,11 +254,11 @@ sdm_prepass_kernel(const I* __restrict__ wi, const A* __restrict__ aw, const I* 
     if (!pass) {
       if (threadIdx.x == 0) {
         rptr[0] = 0;
-        for (int r = 0; r < 2 * C; ++r) rptr[r + 1] += rptr[r];
+        for (int r = 0; r < NSEC * C; ++r) rptr[r + 1] += rptr[r];
       }
       __syncthreads();
-      for (int r = threadIdx.x; r <= 2 * C; r += blockDim.x)
-        sp_ptr[(long long)blk * (2 * C + 1) + r] = rptr[r];
+      for (int r = threadIdx.x; r <= NSEC * C; r += blockDim.x)
+        sp_ptr[(long long)blk * (NSEC * C + 1) + r] = rptr[r];
     }
   }
 }

@@ -62,6 +62,26 @@ def test_float64_tiles_and_chunks_match_reference(rng, tile_width, tw, C):
     assert np.array_equal(rewound, pb.bank), "rewound bank differs from the initial bank"
 
 
+@pytest.mark.parametrize("knobs", [
+    dict(BWD_SCRATCH=1),                                   # one chunk per backward range
+    dict(BWD_SCRATCH=40_000),                              # a few chunks per range
+    dict(BWD_THREADS=256), dict(BWD_THREADS=96, BWD_TILE_WIDTH=4),
+    dict(BWD_TILE_WIDTH=20)], ids=lambda k: "-".join(f"{a}{b}" for a, b in k.items()))
+@pytest.mark.parametrize("S", [6, 200], ids=lambda s: f"S{s}")   # 6: most slots repeat
+def test_backward_ranges_threads_and_tiles_match_reference(rng, monkeypatch, knobs, S):
+    """The backward split into ranges of chunks (each its own pre-pass and kernel launch),
+    other block sizes and tile widths: the same gradients and the same rewound bank."""
+    from sdm_cupy.kernels import gpu
+    for k, v in knobs.items():
+        monkeypatch.setattr(gpu, k, v)
+    pb = make_problem(rng, B=2, T=53, P=2, hd=20, S=S, W=4)
+    dr = rng.normal(size=pb.values.shape)
+    dM = rng.normal(size=pb.bank.shape)
+    (r, fin), grads, rewound = _run(pb, _cfg(pb, 8), dr, dM)
+    _assert_float64_reference(pb, dr, dM, r, fin, grads)
+    assert np.array_equal(rewound, pb.bank), "rewound bank differs from the initial bank"
+
+
 @pytest.mark.parametrize("tw", [None, 8, 24], ids=lambda w: f"tile{w}")
 def test_bf16_partial_pieces_match_reference(rng, tile_width, tw):
     """hd = 20 is not a multiple of the 8-element bf16 piece: masked piece loads/stores."""

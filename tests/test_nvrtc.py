@@ -63,7 +63,7 @@ def test_every_instance_is_listed():
     # 9 (bank, values) kinds x 2 index dtypes, each with its snapshot modes
     assert len(specs["fwd"][2]) == 60
     assert len(specs["bwd"][2]) == 84
-    assert len(specs["prepass"][2]) == 8   # dense (backward) and sparse (forward) forms
+    assert len(specs["prepass"][2]) == 8   # the forward's and the backward's forms
 
 
 def test_headers_are_found():
