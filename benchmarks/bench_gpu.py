@@ -207,6 +207,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--only", default=None, help="run only the case of this name (and not FLA)")
     args = ap.parse_args()
     t0 = time.time()
     bw = copy_bandwidth()
@@ -215,6 +216,8 @@ def main():
     head = dict(B=4, T=4096, P=8, hd=128, S=16384, W=16, C=64)
 
     def run(tag, **kw):
+        if args.only is not None and tag != args.only:
+            return
         cfg = {**head, **kw}
         r = bench_sdm(**cfg, bw=bw, reps=5 if args.quick else 10)
         r["case"] = tag
@@ -239,7 +242,7 @@ def main():
             run(f"W={W}", W=W)
         for T in (1024, 16384):
             run(f"T={T}", T=T)
-    fla = bench_fla(4, 4096, 8, 128)
+    fla = bench_fla(4, 4096, 8, 128) if args.only is None else {}
     print("FLA chunk_delta_rule B=4 T=4096 H=8 K=V=128 bf16:", fla, flush=True)
     out = dict(device=cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
                copy_bw_TBs=bw / 1e12, rows=rows, fla=fla, wall_s=time.time() - t0)

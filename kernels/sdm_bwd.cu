@@ -7,13 +7,12 @@
 // dr tiles, the sorted runs, the read links and the CSR rows of sdm_prepass.cu's SPARSE = 2
 // form) is copied into shared memory with cp.async one chunk ahead. A chunk then costs two
 // round trips to global memory:
-//   1  per write entry: the snapshot row M0[i] (rewound into the bank at once) and dM[i];
-//      per read entry: M0[j] = the snapshot of the write that heads j's run, or the bank row
-//      (not written in this chunk, so already M0); X = sum_w a M0[i], D = sum_w a dM[i],
-//      e0 = v - X, and dr_t . M0[j] (dc)
+//   1  per write entry: the snapshot row M0[i] and dM[i]; per read entry: M0[j] = the
+//      snapshot of the write that heads j's run, or the bank row (not written in this chunk,
+//      so already M0); X = sum_w a M0[i], D = sum_w a dM[i], e0 = v - X, and dr_t . M0[j] (dc)
 //      u = Ainv diag(beta) e0;  e = e0 - tril(G,-1) u;  du = D + H^T dr;  z = Ainv^T du
-//   2  per write entry again (L2): u_t . dM[i] + dX_t . M0[i] (da), dX = -beta z;
-//      dv = beta z, dbeta_t = z_t . e_t
+//   2  per write entry again (L2): u_t . dM[i] + dX_t . M0[i] (da), dX = -beta z, and the
+//      rewind (the bank row gets its snapshot back); dv = beta z, dbeta_t = z_t . e_t
 // then the overlap terms of step 5 from the runs of equal slots, with dG[t,tau] = -beta_t
 // z_t . u_tau (tau < t) and dH[s,t] = dr_s . u_t (t <= s), and the scatter dM[slot] += sum over
 // the slot's entries of a dX_t (writes) and c dr_t (reads): one thread per (slot, piece) sums
@@ -111,16 +110,17 @@ __device__ __forceinline__ void add_grad(Gt* __restrict__ p, const A (&g)[N], in
   }
 }
 
-template <typename A, typename V>
-__device__ __forceinline__ A dot_va(const V* x, const A* y, int n) {
+template <bool B> struct BoolC { static constexpr bool value = B; };
+
+// dot product of two tile rows of `np` whole pieces (zero past the tile's width)
+template <int N, typename A>
+__device__ __forceinline__ A dot_aa(const A* x, const A* y, int np) {
   A s = A(0);
-  for (int i = 0; i < n; ++i) s += to_acc(x[i], A()) * y[i];
-  return s;
-}
-template <typename A>
-__device__ __forceinline__ A dot_aa(const A* x, const A* y, int n) {
-  A s = A(0);
-  for (int i = 0; i < n; ++i) s += x[i] * y[i];
+#pragma unroll 1
+  for (int c = 0; c < np * N; c += N) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) s += x[c + i] * y[c + i];
+  }
   return s;
 }
 
@@ -177,6 +177,7 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
   A* U_s = reinterpret_cast<A*>(sp);  sp += r16((long long)C * TWP * sizeof(A));
   A* D_s = reinterpret_cast<A*>(sp);  sp += r16((long long)C * TWP * sizeof(A));   // D, then du
   A* Z_s = reinterpret_cast<A*>(sp);  sp += r16((long long)C * TWP * sizeof(A));
+  A* R_s = reinterpret_cast<A*>(sp);  sp += r16((long long)C * TWP * sizeof(A));   // dr
   A* pa_s = reinterpret_cast<A*>(sp); sp += r16((long long)C * W * NPT * sizeof(A));  // da parts
   A* pc_s = reinterpret_cast<A*>(sp); sp += r16((long long)C * W * NPT * sizeof(A));  // dc parts
   A* pb_s = reinterpret_cast<A*>(sp);                                                 // dbeta
@@ -184,6 +185,8 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
   T* bank_b = bank + (long long)b * S * D + p * hd + c0;
   Gt* dM_b = dM + (long long)b * S * D + p * hd + c0;
   const FastDiv divW(W), divNPC(NPC);
+  // every piece full and every row aligned: the round trips take their plain 16-byte path
+  const bool fast = vb && vs && vg && vd && tw % N == 0;
 
   auto stage = [&](int n) {
     BwdStage<V, A, I> g;
@@ -266,70 +269,77 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
     const unsigned char* ec = nnz <= BE_STAGE ? g.ec : sp_col + chunk * CS;
     const int TP = L * NPC, total = TP * WS;
 
-    // 1: snapshots (rewound at once), dM of the written rows, M0 of the read rows
-    for (int base = 0; base < total; base += blockDim.x) {
-      const int task = base + threadIdx.x, ws = task % WS, tp = task / WS;
-      const bool act = task < total;
-      const int t = divNPC.div(tp), pc = tp - t * NPC, cc = pc * N, nv = min(N, tw - cc);
-      const long long tok = tokb + (long long)t * P;
-      A x[N], d[N], r[N];
+    // 1: snapshots and dM of the written rows, M0 of the read rows. Every load is issued
+    // without a branch (a bad id reads row 0 and its result is discarded by a select), and
+    // nothing is stored to global memory here, so a thread keeps several entries' loads in
+    // flight; when every piece is full and aligned (F) the loads are plain 16-byte ones.
+    auto round1 = [&](auto fc) {
+      constexpr bool F = decltype(fc)::value;
+      for (int base = 0; base < total; base += blockDim.x) {
+        const int task = base + threadIdx.x, ws = task % WS, tp = task / WS;
+        const bool act = task < total;
+        const int t = divNPC.div(tp), pc = tp - t * NPC, cc = pc * N;
+        const int nv = F ? N : min(N, tw - cc);
+        const long long tok = tokb + (long long)t * P;
+        A x[N], d[N], r[N];
 #pragma unroll
-      for (int i = 0; i < N; ++i) {
-        x[i] = A(0);
-        d[i] = A(0);
-        r[i] = act && i < nv ? to_acc(g.drv[t * TVP + cc + i], A()) : A(0);
-      }
-      if (act) {
+        for (int i = 0; i < N; ++i) {
+          x[i] = A(0);
+          d[i] = A(0);
+          r[i] = act && i < nv ? to_acc(g.drv[t * TVP + cc + i], A()) : A(0);
+        }
+        if (act) {
 #pragma unroll 2
-        for (int w = ws; w < W; w += WS) {
-          const int e = t * W + w;
-          const I id = g.wid[e], jd = g.rid[e];
-          if (valid_id(id, S)) {
-            const long long off = tok * W + w;
-            A m[N], gg[N];
+          for (int w = ws; w < W; w += WS) {
+            const int e = t * W + w;
+            const I id = g.wid[e], jd = g.rid[e];
+            const bool ok = valid_id(id, S), okr = valid_id(jd, S);
+            const int lk = g.rl[e], q = lk ? lk - 1 : 0, tq = divW.div(q);
+            const long long off = tok * W + w, offl = (tokb + (long long)tq * P) * W + (q - tq * W);
+            A m[N], gg[N], mr[N];
             T raw[N];
             SnapIO<N, A, T, ST, Q>::load(m, raw, snap + off * hd + c0 + cc,
-                                         Q > 1 ? scale[off] : 0.f, nv, vs);
-            load_grad<N>(gg, dM_b + (long long)id * D + cc, nv, vg);
-            store_raw<N>(bank_b + (long long)id * D + cc, raw, nv, vb);
-            const A a = g.aw[e];
-#pragma unroll
-            for (int i = 0; i < N; ++i) { x[i] += a * m[i]; d[i] += a * gg[i]; }
-          }
-          A s = A(0);
-          if (valid_id(jd, S)) {
-            const int lk = g.rl[e];
-            A m[N];
-            if (lk) {   // the slot is written in this chunk: M0 is that write's snapshot
-              const int q = lk - 1, tq = divW.div(q);
-              const long long off = (tokb + (long long)tq * P) * W + (q - tq * W);
-              SnapIO<N, A, T, ST, Q>::load_m0(m, snap + off * hd + c0 + cc,
-                                              Q > 1 ? scale[off] : 0.f, nv, vs);
+                                         Q > 1 ? scale[off] : 0.f, nv, F || vs);
+            load_grad<N>(gg, dM_b + (long long)(ok ? id : 0) * D + cc, nv, F || vg);
+            if constexpr (Q == 0) {   // M0[j]: the snapshot of the slot's first write, or the bank
+              const T* src = lk ? snap + offl * hd + c0 + cc : bank_b + (long long)(okr ? jd : 0) * D + cc;
+              load_piece<N>(mr, src, nv, F || (lk ? vs : vb));
+            } else if (lk) {
+              SnapIO<N, A, T, ST, Q>::load_m0(mr, snap + offl * hd + c0 + cc, Q > 1 ? scale[offl] : 0.f,
+                                              nv, vs);
             } else {
-              load_piece<N>(m, bank_b + (long long)jd * D + cc, nv, vb);
+              load_piece<N>(mr, bank_b + (long long)(okr ? jd : 0) * D + cc, nv, vb);
             }
+            const A a = g.aw[e];
+            A sr = A(0);
 #pragma unroll
-            for (int i = 0; i < N; ++i) s += r[i] * m[i];
+            for (int i = 0; i < N; ++i) {
+              x[i] = ok ? x[i] + a * m[i] : x[i];
+              d[i] = ok ? d[i] + a * gg[i] : d[i];
+              sr += r[i] * mr[i];
+            }
+            pc_s[e * NPT + pc] = okr ? sr : A(0);
           }
-          pc_s[e * NPT + pc] = s;
         }
-      }
-      for (int o = 1; o < WS; o <<= 1) {
+        for (int o = 1; o < WS; o <<= 1) {
 #pragma unroll
-        for (int i = 0; i < N; ++i) {
-          x[i] += __shfl_xor_sync(0xffffffffu, x[i], o);
-          d[i] += __shfl_xor_sync(0xffffffffu, d[i], o);
+          for (int i = 0; i < N; ++i) {
+            x[i] += __shfl_xor_sync(0xffffffffu, x[i], o);
+            d[i] += __shfl_xor_sync(0xffffffffu, d[i], o);
+          }
         }
-      }
-      if (act && ws == 0) {
+        if (act && ws == 0) {
 #pragma unroll
-        for (int i = 0; i < N; ++i) {
-          const A v = i < nv ? to_acc(g.val[t * TVP + cc + i], A()) : A(0);
-          E_s[t * TWP + cc + i] = i < nv ? v - x[i] : A(0);
-          D_s[t * TWP + cc + i] = d[i];
+          for (int i = 0; i < N; ++i) {
+            const A v = i < nv ? to_acc(g.val[t * TVP + cc + i], A()) : A(0);
+            E_s[t * TWP + cc + i] = i < nv ? v - x[i] : A(0);
+            D_s[t * TWP + cc + i] = d[i];
+            R_s[t * TWP + cc + i] = r[i];
+          }
         }
       }
-    }
+    };
+    if (fast) round1(BoolC<true>()); else round1(BoolC<false>());
     __syncthreads();
     // u = Ainv diag(beta) e0 (unit diagonal implied)
     for (int task = threadIdx.x; task < TP; task += blockDim.x) {
@@ -350,7 +360,7 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
     __syncthreads();
     // e = e0 - tril(G,-1) u ;  du = D + H^T dr   (each in place on its own (t, piece))
     for (int task = threadIdx.x; task < TP; task += blockDim.x) {
-      const int t = divNPC.div(task), cc = (task - t * NPC) * N, nv = min(N, tw - cc);
+      const int t = divNPC.div(task), cc = (task - t * NPC) * N;
       for (int k = g.ptr[3 * C + t], ke = g.ptr[3 * C + t + 1]; k < ke; ++k) {
         const int tau = ec[k];
         const A f = ev[k];
@@ -361,8 +371,7 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
         const int s = ec[k];
         const A f = ev[k];
 #pragma unroll
-        for (int i = 0; i < N; ++i)
-          if (i < nv) D_s[t * TWP + cc + i] += f * to_acc(g.drv[s * TVP + cc + i], A());
+        for (int i = 0; i < N; ++i) D_s[t * TWP + cc + i] += f * R_s[s * TWP + cc + i];
       }
     }
     __syncthreads();
@@ -382,48 +391,55 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
       for (int i = 0; i < N; ++i) Z_s[t * TWP + cc + i] = z[i];
     }
     __syncthreads();
-    // 2: dv, dbeta parts; da parts from dM and M0 of the written rows
-    for (int base = 0; base < total; base += blockDim.x) {
-      const int task = base + threadIdx.x, ws = task % WS, tp = task / WS;
-      if (task >= total) break;
-      const int t = divNPC.div(tp), pc = tp - t * NPC, cc = pc * N, nv = min(N, tw - cc);
-      const long long tok = tokb + (long long)t * P;
-      const A bt = g.beta[t];
-      A zu[N], dx[N];
-#pragma unroll
-      for (int i = 0; i < N; ++i) {
-        dx[i] = -bt * Z_s[t * TWP + cc + i];
-        zu[i] = U_s[t * TWP + cc + i];
-      }
-      if (ws == 0) {
-        A dv[N];
-        A sb = A(0);
+    // 2: dv, dbeta parts; da parts from dM and M0 of the written rows (loads as in 1); the
+    // rewind: each written row gets its snapshot back (no load of the bank follows in this chunk)
+    auto round2 = [&](auto fc) {
+      constexpr bool F = decltype(fc)::value;
+      for (int base = 0; base < total; base += blockDim.x) {
+        const int task = base + threadIdx.x, ws = task % WS, tp = task / WS;
+        if (task >= total) break;
+        const int t = divNPC.div(tp), pc = tp - t * NPC, cc = pc * N;
+        const int nv = F ? N : min(N, tw - cc);
+        const long long tok = tokb + (long long)t * P;
+        const A bt = g.beta[t];
+        A zu[N], dx[N];
 #pragma unroll
         for (int i = 0; i < N; ++i) {
-          dv[i] = -dx[i];
-          sb += Z_s[t * TWP + cc + i] * E_s[t * TWP + cc + i];
+          dx[i] = -bt * Z_s[t * TWP + cc + i];
+          zu[i] = U_s[t * TWP + cc + i];
         }
-        store_piece<N>(d_vals + ((long long)b * T_ + t0 + t) * D + p * hd + c0 + cc, dv, nv, vd);
-        pb_s[t * NPT + pc] = sb;
-      }
+        if (ws == 0) {
+          A dv[N];
+          A sb = A(0);
+#pragma unroll
+          for (int i = 0; i < N; ++i) {
+            dv[i] = -dx[i];
+            sb += Z_s[t * TWP + cc + i] * E_s[t * TWP + cc + i];
+          }
+          store_piece<N>(d_vals + ((long long)b * T_ + t0 + t) * D + p * hd + c0 + cc, dv, nv,
+                         F || vd);
+          pb_s[t * NPT + pc] = sb;
+        }
 #pragma unroll 2
-      for (int w = ws; w < W; w += WS) {
-        const int e = t * W + w;
-        const I id = g.wid[e];
-        A s = A(0);
-        if (valid_id(id, S)) {
+        for (int w = ws; w < W; w += WS) {
+          const int e = t * W + w;
+          const I id = g.wid[e];
+          const bool ok = valid_id(id, S);
           const long long off = tok * W + w;
           A m[N], gg[N];
           T raw[N];
           SnapIO<N, A, T, ST, Q>::load(m, raw, snap + off * hd + c0 + cc,
-                                       Q > 1 ? scale[off] : 0.f, nv, vs);
-          load_grad<N>(gg, dM_b + (long long)id * D + cc, nv, vg);
+                                       Q > 1 ? scale[off] : 0.f, nv, F || vs);
+          load_grad<N>(gg, dM_b + (long long)(ok ? id : 0) * D + cc, nv, F || vg);
+          if (ok) store_raw<N>(bank_b + (long long)id * D + cc, raw, nv, F || vb);
+          A sa = A(0);
 #pragma unroll
-          for (int i = 0; i < N; ++i) s += zu[i] * gg[i] + dx[i] * m[i];
+          for (int i = 0; i < N; ++i) sa += zu[i] * gg[i] + dx[i] * m[i];
+          pa_s[e * NPT + pc] = ok ? sa : A(0);
         }
-        pa_s[e * NPT + pc] = s;
       }
-    }
+    };
+    if (fast) round2(BoolC<true>()); else round2(BoolC<false>());
     __syncthreads();
     // per entry (one thread per sorted position): its parts in piece order plus the overlap
     // terms of its run, then one atomicAdd per tile
@@ -450,14 +466,14 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
             if (isw) {
               if (tau == t) continue;
               const int hi = tau > t ? tau : t, lo = tau > t ? t : tau;
-              acc -= a2 * g.beta[hi] * dot_aa(Z_s + hi * TWP, U_s + lo * TWP, tw);
+              acc -= a2 * g.beta[hi] * dot_aa<N>(Z_s + hi * TWP, U_s + lo * TWP, NPC);
             } else if (tau <= t) {
-              acc += a2 * dot_va(g.drv + t * TVP, U_s + tau * TWP, tw);
+              acc += a2 * dot_aa<N>(R_s + t * TWP, U_s + tau * TWP, NPC);
             }
           } else if (isw) {                                // a read entry (s, w'') of a write
             const int s = divW.div(q2 - Ne);
             if (s < t) continue;
-            acc += g.cw[q2 - Ne] * dot_va(g.drv + s * TVP, U_s + t * TWP, tw);
+            acc += g.cw[q2 - Ne] * dot_aa<N>(R_s + s * TWP, U_s + t * TWP, NPC);
           }
         }
       }
@@ -469,6 +485,35 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
       for (int k = 0; k < NPC; ++k) sb += pb_s[t * NPT + k];
       atomic_add(d_beta + tokb + (long long)t * P, sb);
     }
+#ifndef SDM_SCATTER_PER_PIECE
+    // scatter into dM: one thread per run head sums its run in entry order, piece by piece
+    for (int ps = threadIdx.x; ps < 2 * Ne; ps += blockDim.x) {
+      const int code = g.srt[ps];
+      if (!(code & B_RUN_HEAD) || (code & B_RUN_BAD)) continue;
+      const int q = code & B_QMASK;
+      int end = ps + 1;
+      while (end < 2 * Ne && !(g.srt[end] & B_RUN_HEAD)) ++end;
+      const long long slot = q < Ne ? (long long)g.wid[q] : (long long)g.rid[q - Ne];
+      Gt* row = dM_b + slot * D;
+#pragma unroll 1
+      for (int pc = 0; pc < NPC; ++pc) {
+        const int cc = pc * N;
+        A acc[N];
+#pragma unroll
+        for (int i = 0; i < N; ++i) acc[i] = A(0);
+        for (int p2 = ps; p2 < end; ++p2) {
+          const int q2 = g.srt[p2] & B_QMASK;
+          const bool w2 = q2 < Ne;
+          const int e2 = w2 ? q2 : q2 - Ne, t2 = divW.div(e2);
+          const A f = w2 ? -g.aw[e2] * g.beta[t2] : g.cw[e2];
+          const A* src = (w2 ? Z_s : R_s) + t2 * TWP + cc;
+#pragma unroll
+          for (int i = 0; i < N; ++i) acc[i] += f * src[i];
+        }
+        add_grad<N>(row + cc, acc, min(N, tw - cc), vg);
+      }
+    }
+#else
     // scatter into dM: one thread per (run head, piece) sums its run in entry order
     for (int task = threadIdx.x; task < 2 * Ne * NPC; task += blockDim.x) {
       const int ps = divNPC.div(task), code = g.srt[ps];
@@ -482,22 +527,17 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
         const int c2 = g.srt[p2];
         if (p2 > ps && (c2 & B_RUN_HEAD)) break;
         const int q2 = c2 & B_QMASK;
-        if (q2 < Ne) {
-          const int t2 = divW.div(q2);
-          const A f = -g.aw[q2] * g.beta[t2];
+        const bool w2 = q2 < Ne;
+        const int e2 = w2 ? q2 : q2 - Ne, t2 = divW.div(e2);
+        const A f = w2 ? -g.aw[e2] * g.beta[t2] : g.cw[e2];
+        const A* src = (w2 ? Z_s : R_s) + t2 * TWP + cc;
 #pragma unroll
-          for (int i = 0; i < N; ++i) acc[i] += f * Z_s[t2 * TWP + cc + i];
-        } else {
-          const int t2 = divW.div(q2 - Ne);
-          const A f = g.cw[q2 - Ne];
-#pragma unroll
-          for (int i = 0; i < N; ++i)
-            if (i < nv) acc[i] += f * to_acc(g.drv[t2 * TVP + cc + i], A());
-        }
+        for (int i = 0; i < N; ++i) acc[i] += f * src[i];
       }
       const long long slot = q < Ne ? (long long)g.wid[q] : (long long)g.rid[q - Ne];
       add_grad<N>(dM_b + slot * D + cc, acc, nv, vg);
     }
+#endif
     __syncthreads();
   }
 }
