@@ -28,7 +28,7 @@ class Entry:
         self.key, self.pool, self.mempool = key, pool, mempool
         self.needs_backward, self.config, self.batch = needs_backward, config, batch
         self.static_param = None   # [S, D] in the bank dtype (training key with a param)
-        self.static_bank = None    # [B*S, D] the forward-only key's bank, updated in place
+        self.static_bank = None    # [B*S, D] the graphs' bank, loaded before each forward launch
         self.static_in = None      # the six input arrays
         self.forward = None        # the forward graph
         self.result = None         # its ForwardResult: readings, final bank, SavedState template

@@ -6,12 +6,13 @@ Lifetime rules (who may call what, what stays valid until when):
   for forward-only calls (decoding). Each is captured at the first call of its kind, under that
   call's key; a later call with another key runs eager, and so does every call of a runner
   whose capture failed, until ``reset_graphs()``. Graphs are never re-captured on their own.
-* Training graph: bank = ``sdm.expand_memory_batch(param, batch)`` (zeros when ``param`` is
-  None), then ``sdm.forward(bank, ..., inplace=True, check_indices=False)``. Its backward graph
-  (captured at the first backward) is ``sdm.backward`` on a fresh ``SavedState`` over the
-  static state, then ``sdm.sum_memory_batch``. Forward-only graph: ``sdm.forward`` in place on a
-  static bank that the runner loads before the launch (nothing to load when ``param`` is the
-  ``ReplayedState`` the runner returned last: decoding continues in place).
+* Both graphs run ``sdm.forward(static_bank, ..., inplace=True, check_indices=False)`` on a
+  static bank that the runner loads before each launch: ``batch`` copies of ``param`` (zeros
+  when it is None, a state's memory for forward-only calls; nothing to load when ``param`` is
+  the ``ReplayedState`` the runner returned last: decoding continues in place). The training
+  entry's backward graph (captured at the first backward) is ``sdm.backward`` on a fresh
+  ``SavedState`` over the static state; the param's gradient, ``sdm.sum_memory_batch`` of its
+  bank gradient, runs after that graph into a fresh array.
 * Every output is a fresh array (readings, final bank, gradients): graph memory is never
   handed out, since the next replay rewrites it. The state object of a call with ``seq_len``
   copies the bank lazily and raises once the bank was overwritten.
@@ -359,18 +360,14 @@ class GraphRunner:
                 e.static_in = tuple(xp.array(x, order="C", copy=True) for x in inputs)
                 if needs_backward and param is not None:
                     e.static_param = xp.array(param, dtype=bank_dtype, order="C", copy=True)
-                if not needs_backward:
-                    e.static_bank = xp.zeros((batch * S, D), dtype=bank_dtype)
+                # both kinds run on a static bank that each replay loads outside the graph
+                # (from the param, zeros, or a state): the copy eager makes too, and no more
+                e.static_bank = xp.zeros((batch * S, D), dtype=bank_dtype)
 
                 def body():
-                    if not needs_backward:
-                        bank = e.static_bank
-                    elif e.static_param is None:
-                        bank = xp.zeros((batch * S, D), dtype=bank_dtype)
-                    else:
-                        bank = sdm.expand_memory_batch(e.static_param, batch)
-                    return sdm.forward(bank, *e.static_in, config, needs_backward=needs_backward,
-                                       inplace=True, check_indices=False)
+                    return sdm.forward(e.static_bank, *e.static_in, config,
+                                       needs_backward=needs_backward, inplace=True,
+                                       check_indices=False)
 
                 cap.wait(pool.capture_stream, current)
                 with cap.run_on(pool.capture_stream, mempool):
@@ -405,13 +402,16 @@ class GraphRunner:
 
     # ---- replay -----------------------------------------------------------------------------
     def _load_bank(self, e, param, batch):
-        """Initial bank of a forward-only replay into the static bank (outside the graph);
-        not called when ``param`` is the state the static bank holds already."""
+        """Initial bank of a replay into the static bank (outside the graph): ``batch`` copies
+        of the param, zeros, or a state's memory; not called when ``param`` is the state the
+        static bank holds already."""
         bank = e.static_bank
         if param is None:
             bank.fill(0)
         elif isinstance(param, sdm.LayerState):
             e.pool.capture.copy_into(bank, param.memory)
+        elif batch == 1:
+            e.pool.capture.copy_into(bank, param)
         else:
             bank.reshape(batch, param.shape[0], param.shape[1])[...] = param
 
@@ -419,10 +419,7 @@ class GraphRunner:
         """Loads and launches ``e``'s forward and issues its token (under the pool's lock);
         ``inputs`` None: the static inputs are the call's."""
         cap = e.pool.capture
-        if e.needs_backward:
-            if e.static_param is not None and param is not e.static_param:
-                cap.copy_into(e.static_param, param)
-        elif not (isinstance(param, ReplayedState) and param.continues(e)):
+        if e.needs_backward or not (isinstance(param, ReplayedState) and param.continues(e)):
             self._load_bank(e, param, e.batch)
         if inputs is not None:   # (None: the static inputs themselves)
             for static, x in zip(e.static_in, inputs):
@@ -547,14 +544,23 @@ class GraphRunner:
         return self._eager_grads(handle, grad_readings)
 
     def _backward_body(self, e):
+        """The backward on the static state: the bank's gradient (summed over the batch
+        outside, by ``_param_grad``) and the inputs' gradients."""
         g = sdm.backward(e.fresh_saved(), e.grad_in)
-        gp = (None if e.static_param is None else
-              sdm.sum_memory_batch(g.bank, e.config.num_memory_slots))
-        return (gp, g.write_w, g.values, g.beta, g.read_w)
+        return (None if e.static_param is None else g.bank, g.write_w, g.values, g.beta,
+                g.read_w)
 
     @staticmethod
-    def _fresh(cap, grads) -> RunnerGradients:
-        return RunnerGradients(*(None if g is None else cap.copy(g) for g in grads))
+    def _param_grad(e, grad_bank):
+        """The param's gradient, a fresh array: the batch sum of the graph's bank gradient,
+        run after the graph (one pass, as eager makes; no copy of a graph-made sum)."""
+        if grad_bank is None:
+            return None
+        return sdm.sum_memory_batch(grad_bank, e.config.num_memory_slots)
+
+    def _fresh(self, e, cap, grads) -> RunnerGradients:
+        return RunnerGradients(self._param_grad(e, grads[0]),
+                               *(None if g is None else cap.copy(g) for g in grads[1:]))
 
     def _backward_graphs(self, e, stream):
         """Gradients from the static state (fresh arrays), or None when the first backward ran
@@ -575,7 +581,7 @@ class GraphRunner:
                     return None
                 raise
             cap.wait(stream, cs)
-            out = self._fresh(cap, grads)
+            out = self._fresh(e, cap, grads)
             del grads
             try:
                 with _capture_lock:
@@ -586,7 +592,8 @@ class GraphRunner:
                 self.note("eager_backward_capture", f"capturing the backward failed "
                           f"({_failure(exc)}); it runs eager on the graph's state.")
             else:
-                e.grad_copiers = tuple(None if g is None else cap.copier(g) for g in e.grad_out)
+                e.grad_copiers = tuple(None if g is None else cap.copier(g)
+                                       for g in e.grad_out[1:])
                 e.backward_settings = settings
                 if e.index is not None:
                     e.pool.has_backward = True
@@ -599,10 +606,12 @@ class GraphRunner:
                 self.note("eager_backward_settings", "the kernels' process-wide settings "
                           "differ from those of the backward capture; it runs eager.")
             self.stats["eager_backward"] += 1
-            return RunnerGradients(*self._backward_body(e))
+            gb, *rest = self._backward_body(e)
+            return RunnerGradients(self._param_grad(e, gb), *rest)
         cap.launch(e.backward, stream)
         self.stats["backward_replay"] += 1
-        return RunnerGradients(*[None if c is None else c(stream) for c in e.grad_copiers])
+        return RunnerGradients(self._param_grad(e, e.grad_out[0]),
+                               *[None if c is None else c(stream) for c in e.grad_copiers])
 
     def _abandon(self, e):
         """The first backward ran out of memory (under the pool's lock): drop the entry and,

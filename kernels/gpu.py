@@ -166,7 +166,7 @@ def _smem(C, W, TW, N, acc_size, quant, idx_size=4, val_size=4, bank_size=4):
               + 2 * _r16(cw * idx_size) + 2 * _r16(C * tvp * val_size) + _r16((4 * C + 1) * 4)
               + _r16(2 * cw * 4) + _r16(cw * 4) + _r16(BE_STAGE))
     bwd = (2 * bstage + 5 * _r16(C * twp * acc_size) + 2 * _r16(cw * npt * acc_size)
-           + _r16(C * npt * acc_size) + 16 + 2 * cw * 2)
+           + C * npt * acc_size)
     return pre, fwd, fwd_keep, bwd
 
 

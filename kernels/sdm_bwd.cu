@@ -180,9 +180,7 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
   A* R_s = reinterpret_cast<A*>(sp);  sp += r16((long long)C * TWP * sizeof(A));   // dr
   A* pa_s = reinterpret_cast<A*>(sp); sp += r16((long long)C * W * NPT * sizeof(A));  // da parts
   A* pc_s = reinterpret_cast<A*>(sp); sp += r16((long long)C * W * NPT * sizeof(A));  // dc parts
-  A* pb_s = reinterpret_cast<A*>(sp); sp += r16((long long)C * NPT * sizeof(A));      // dbeta
-  int* ml_n = reinterpret_cast<int*>(sp); sp += 16;             // entries in multi-entry runs:
-  unsigned short* ml_s = reinterpret_cast<unsigned short*>(sp); // count, sorted positions
+  A* pb_s = reinterpret_cast<A*>(sp);                                                 // dbeta
 
   T* bank_b = bank + (long long)b * S * D + p * hd + c0;
   Gt* dM_b = dM + (long long)b * S * D + p * hd + c0;
@@ -253,7 +251,6 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
   int WS = 1;
   while (WS < BWS_MAX && WS * 2 <= W) WS *= 2;
 
-  if (threadIdx.x == 0) *ml_n = 0;
   prefetch(n_hi - 1);
   for (int n = n_hi - 1; n >= n_lo; --n) {
     const BwdStage<V, A, I> g = stage(n);
@@ -444,57 +441,8 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
     };
     if (fast) round2(BoolC<true>()); else round2(BoolC<false>());
     __syncthreads();
-    // entries of runs of two or more entries, listed with warp ballots, get the overlap terms
-    // of step 5 added to their first part, on full warps (the list's order varies; each
-    // entry's sum does not)
-    for (int base = 0; base < 2 * Ne; base += blockDim.x) {
-      const int ps = base + threadIdx.x, lane = threadIdx.x & 31;
-      bool multi = false;
-      if (ps < 2 * Ne) {
-        const int code = g.srt[ps];
-        const bool last = ps + 1 == 2 * Ne || (g.srt[ps + 1] & B_RUN_HEAD);
-        multi = !(code & B_RUN_BAD) && !((code & B_RUN_HEAD) && last);
-      }
-      const unsigned mk = __ballot_sync(0xffffffffu, multi);
-      int at = 0;
-      if (lane == 0 && mk) at = atomicAdd(ml_n, __popc(mk));
-      at = __shfl_sync(0xffffffffu, at, 0);
-      if (multi) ml_s[at + __popc(mk & ((1u << lane) - 1u))] = (unsigned short)ps;
-    }
-    __syncthreads();
-    for (int k = threadIdx.x, nml = *ml_n; k < nml; k += blockDim.x) {
-      const int ps = ml_s[k], q = g.srt[ps] & B_QMASK;
-      const bool isw = q < Ne;
-      const int e = isw ? q : q - Ne, t = divW.div(e);
-      A acc = A(0);
-      int st0 = ps;
-      while (!(g.srt[st0] & B_RUN_HEAD)) --st0;
-      for (int p2 = st0; p2 < 2 * Ne; ++p2) {
-        const int c2 = g.srt[p2];
-        if (p2 > st0 && (c2 & B_RUN_HEAD)) break;
-        const int q2 = c2 & B_QMASK;
-        if (q2 < Ne) {                                   // a write entry (tau, w')
-          const int tau = divW.div(q2);
-          const A a2 = g.aw[q2];
-          if (isw) {
-            if (tau == t) continue;
-            const int hi = tau > t ? tau : t, lo = tau > t ? t : tau;
-            acc -= a2 * g.beta[hi] * dot_aa<N>(Z_s + hi * TWP, U_s + lo * TWP, NPC);
-          } else if (tau <= t) {
-            acc += a2 * dot_aa<N>(R_s + t * TWP, U_s + tau * TWP, NPC);
-          }
-        } else if (isw) {                                // a read entry (s, w'') of a write
-          const int s = divW.div(q2 - Ne);
-          if (s < t) continue;
-          acc += g.cw[q2 - Ne] * dot_aa<N>(R_s + s * TWP, U_s + t * TWP, NPC);
-        }
-      }
-      (isw ? pa_s : pc_s)[e * NPT] += acc;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) *ml_n = 0;   // for the next chunk (read again only after barriers)
-    // per entry (one thread per sorted position): its parts in piece order, then one
-    // atomicAdd per tile
+    // per entry (one thread per sorted position): its parts in piece order plus the overlap
+    // terms of its run, then one atomicAdd per tile
     for (int ps = threadIdx.x; ps < 2 * Ne; ps += blockDim.x) {
       const int code = g.srt[ps];
       if (code & B_RUN_BAD) continue;
@@ -504,6 +452,31 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
       const A* part = (isw ? pa_s : pc_s) + e * NPT;
       A acc = A(0);
       for (int k = 0; k < NPC; ++k) acc += part[k];
+      const bool last = ps + 1 == 2 * Ne || (g.srt[ps + 1] & B_RUN_HEAD);
+      if (!((code & B_RUN_HEAD) && last)) {   // a run of two or more entries
+        int st0 = ps;
+        while (!(g.srt[st0] & B_RUN_HEAD)) --st0;
+        for (int p2 = st0; p2 < 2 * Ne; ++p2) {
+          const int c2 = g.srt[p2];
+          if (p2 > st0 && (c2 & B_RUN_HEAD)) break;
+          const int q2 = c2 & B_QMASK;
+          if (q2 < Ne) {                                   // a write entry (tau, w')
+            const int tau = divW.div(q2);
+            const A a2 = g.aw[q2];
+            if (isw) {
+              if (tau == t) continue;
+              const int hi = tau > t ? tau : t, lo = tau > t ? t : tau;
+              acc -= a2 * g.beta[hi] * dot_aa<N>(Z_s + hi * TWP, U_s + lo * TWP, NPC);
+            } else if (tau <= t) {
+              acc += a2 * dot_aa<N>(R_s + t * TWP, U_s + tau * TWP, NPC);
+            }
+          } else if (isw) {                                // a read entry (s, w'') of a write
+            const int s = divW.div(q2 - Ne);
+            if (s < t) continue;
+            acc += g.cw[q2 - Ne] * dot_aa<N>(R_s + s * TWP, U_s + t * TWP, NPC);
+          }
+        }
+      }
       const long long off = (tokb + (long long)t * P) * W + (e - t * W);
       atomic_add((isw ? d_aw : d_cw) + off, acc);
     }
@@ -512,35 +485,6 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
       for (int k = 0; k < NPC; ++k) sb += pb_s[t * NPT + k];
       atomic_add(d_beta + tokb + (long long)t * P, sb);
     }
-#ifndef SDM_SCATTER_PER_PIECE
-    // scatter into dM: one thread per run head sums its run in entry order, piece by piece
-    for (int ps = threadIdx.x; ps < 2 * Ne; ps += blockDim.x) {
-      const int code = g.srt[ps];
-      if (!(code & B_RUN_HEAD) || (code & B_RUN_BAD)) continue;
-      const int q = code & B_QMASK;
-      int end = ps + 1;
-      while (end < 2 * Ne && !(g.srt[end] & B_RUN_HEAD)) ++end;
-      const long long slot = q < Ne ? (long long)g.wid[q] : (long long)g.rid[q - Ne];
-      Gt* row = dM_b + slot * D;
-#pragma unroll 1
-      for (int pc = 0; pc < NPC; ++pc) {
-        const int cc = pc * N;
-        A acc[N];
-#pragma unroll
-        for (int i = 0; i < N; ++i) acc[i] = A(0);
-        for (int p2 = ps; p2 < end; ++p2) {
-          const int q2 = g.srt[p2] & B_QMASK;
-          const bool w2 = q2 < Ne;
-          const int e2 = w2 ? q2 : q2 - Ne, t2 = divW.div(e2);
-          const A f = w2 ? -g.aw[e2] * g.beta[t2] : g.cw[e2];
-          const A* src = (w2 ? Z_s : R_s) + t2 * TWP + cc;
-#pragma unroll
-          for (int i = 0; i < N; ++i) acc[i] += f * src[i];
-        }
-        add_grad<N>(row + cc, acc, min(N, tw - cc), vg);
-      }
-    }
-#else
     // scatter into dM: one thread per (run head, piece) sums its run in entry order
     for (int task = threadIdx.x; task < 2 * Ne * NPC; task += blockDim.x) {
       const int ps = divNPC.div(task), code = g.srt[ps];
@@ -564,7 +508,6 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
       const long long slot = q < Ne ? (long long)g.wid[q] : (long long)g.rid[q - Ne];
       add_grad<N>(dM_b + slot * D + cc, acc, nv, vg);
     }
-#endif
     __syncthreads();
   }
 }
