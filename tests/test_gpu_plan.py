@@ -1,0 +1,75 @@
+"""The GPU launcher's plan on a described device (no GPU needed): tile widths, the backward's
+ranges of chunks and its shared memory, for the headline shape of SPEC §10 on an H200."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import sdm_cupy as sdm
+from sdm_cupy._validate import Layout
+from sdm_cupy.kernels import _build as K
+from sdm_cupy.kernels import gpu
+
+H200 = (132, 232448, "90")   # multiprocessors, opt-in shared memory per block, compute capability
+
+
+def _layout(**kw):
+    base = dict(B=4, T=4096, P=8, hd=128, S=16384, W=16, C=64, bank_dtype=K.BFLOAT16,
+                value_dtype=K.BFLOAT16, compute_dtype=np.dtype(np.float32),
+                grad_bank_dtype=np.dtype(np.float32), index_dtype=np.dtype(np.int32))
+    base.update(kw)
+    return Layout(**base)
+
+
+def _cfg(lay):
+    return sdm.SDMConfig(num_memory_slots=lay.S, num_parallel=lay.P, chunk_size=lay.C)
+
+
+def _per_chunk(lay, pl):
+    acc = K.compute_dtype(lay.bank_dtype, lay.value_dtype).itemsize
+    return (3 * pl.C * lay.W + 4 * pl.C + 1) * 4 + 2 * pl.C * pl.C * acc + gpu._r16(2 * pl.C * pl.C)
+
+
+def test_headline_backward_is_one_wave_with_bounded_scratch():
+    lay = _layout()
+    pl = gpu.plan(lay, _cfg(lay), limits=H200, backward=True)
+    assert (pl.C, pl.TW, pl.ntile) == (64, 32, 4)
+    assert lay.B * lay.P * pl.ntile <= H200[0]            # one block per multiprocessor
+    assert pl.smem_bwd <= H200[1]
+    assert 1 <= pl.seg <= pl.Nt
+    assert lay.B * lay.P * pl.seg * _per_chunk(lay, pl) <= gpu.BWD_SCRATCH
+    fwd = gpu.plan(lay, _cfg(lay), limits=H200)
+    assert (fwd.TW, fwd.ntile) == (16, 8) and fwd.CS == gpu._r16(64 * 64)
+    assert pl.CS == gpu._r16(2 * 64 * 64)   # the backward's CSR holds four triangles
+
+
+@pytest.mark.parametrize("scratch", [1, 10 ** 7, 10 ** 12])
+def test_backward_ranges_cover_every_chunk_once(monkeypatch, scratch):
+    monkeypatch.setattr(gpu, "BWD_SCRATCH", scratch)
+    lay = _layout(T=1000)
+    pl = gpu.plan(lay, _cfg(lay), limits=H200, backward=True)
+    ranges = [(max(0, hi - pl.seg), hi) for hi in range(pl.Nt, 0, -pl.seg)]   # as sdm_bwd
+    covered = sorted(n for lo, hi in ranges for n in range(lo, hi))
+    assert covered == list(range(pl.Nt))
+    if scratch == 1:
+        assert pl.seg == 1
+    elif scratch == 10 ** 7:
+        assert 1 < pl.seg < pl.Nt   # several ranges of several chunks
+    else:
+        assert pl.seg == pl.Nt      # one range
+    if pl.seg > 1:
+        assert lay.B * lay.P * pl.seg * _per_chunk(lay, pl) <= scratch
+
+
+@pytest.mark.parametrize("threads,per_sm", [(512, 1), (256, 2)])
+def test_backward_tiles_fill_one_wave(monkeypatch, threads, per_sm):
+    monkeypatch.setattr(gpu, "BWD_THREADS", threads)
+    for B, P in ((1, 1), (1, 8), (4, 8), (64, 8)):
+        lay = _layout(B=B, P=P)
+        pl = gpu.plan(lay, _cfg(lay), limits=H200, backward=True)
+        blocks = B * P * pl.ntile
+        pieces = -(-lay.hd // pl.N)
+        # doubling the tiles once more would overflow the wave or leave a tile one piece
+        assert blocks <= per_sm * H200[0] or pl.ntile == 1
+        assert (2 * blocks > per_sm * H200[0]) or -(-pieces // (2 * pl.ntile)) < 2
