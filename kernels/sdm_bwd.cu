@@ -64,7 +64,8 @@ struct SnapIO {
   }
 };
 
-// dM pieces bypass L1 (.cg): the scatter's atomics update them in L2
+// dM pieces (and bank rows) bypass L1 (.cg): the scatter's atomics update dM in L2, and a
+// load the compiler may give the read-only path must not serve rows this kernel writes
 template <int N, typename A, typename T>
 __device__ __forceinline__ void load_grad(A (&out)[N], const T* __restrict__ p, int nv, bool vec) {
   constexpr int NB = (int)sizeof(T) * N;
@@ -301,14 +302,16 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
             SnapIO<N, A, T, ST, Q>::load(m, raw, snap + off * hd + c0 + cc,
                                          Q > 1 ? scale[off] : 0.f, nv, F || vs);
             load_grad<N>(gg, dM_b + (long long)(ok ? id : 0) * D + cc, nv, F || vg);
-            if constexpr (Q == 0) {   // M0[j]: the snapshot of the slot's first write, or the bank
+            // M0[j]: the snapshot of the slot's first write, or the bank row, read through L2
+            // (.cg: this kernel writes bank rows, so the read-only path must not serve them)
+            if constexpr (Q == 0) {
               const T* src = lk ? snap + offl * hd + c0 + cc : bank_b + (long long)(okr ? jd : 0) * D + cc;
-              load_piece<N>(mr, src, nv, F || (lk ? vs : vb));
+              load_grad<N>(mr, src, nv, F || (lk ? vs : vb));
             } else if (lk) {
               SnapIO<N, A, T, ST, Q>::load_m0(mr, snap + offl * hd + c0 + cc, Q > 1 ? scale[offl] : 0.f,
                                               nv, vs);
             } else {
-              load_piece<N>(mr, bank_b + (long long)(okr ? jd : 0) * D + cc, nv, vb);
+              load_grad<N>(mr, bank_b + (long long)(okr ? jd : 0) * D + cc, nv, vb);
             }
             const A a = g.aw[e];
             A sr = A(0);
