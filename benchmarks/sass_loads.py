@@ -1,0 +1,110 @@
+"""Memory-level parallelism of a kernel, read from its machine code (no GPU needed).
+
+Compiles one kernel instance with NVRTC for sm_90 (the backend's own source and options) and
+disassembles it with ``cuobjdump``; then, for every global load, counts how many more global
+loads a thread issues before it first uses the loaded registers. A gather whose loads all show
+0 waits for each row before it asks for the next one (latency-bound whatever the occupancy).
+Also flags loads on the read-only path (``LDG...CONSTANT``), which must not read memory the
+kernel writes.
+
+    python benchmarks/sass_loads.py bwd "sdm::sdm_bwd_kernel<__nv_bfloat16,__nv_bfloat16,float,float,int,0,8>"
+    python benchmarks/sass_loads.py fwd "sdm::sdm_fwd_kernel<__nv_bfloat16,__nv_bfloat16,float,int,0,8>"
+
+``cuobjdump`` comes with the CUDA toolkit, or from Triton's wheel (``pip download --no-deps
+triton`` and unzip ``triton/backends/nvidia/bin/cuobjdump``); pass it as ``--cuobjdump PATH``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+from sdm_cupy.kernels import _build as K
+
+
+def cubin(src: str, name: str, arch: str = "sm_90") -> bytes:
+    from cuda.bindings import nvrtc
+    ok = nvrtc.nvrtcResult.NVRTC_SUCCESS
+    err, prog = nvrtc.nvrtcCreateProgram(K.source(src).encode(), f"{src}.cu".encode(), 0, [], [])
+    assert err == ok, err
+    try:
+        assert nvrtc.nvrtcAddNameExpression(prog, name.encode())[0] == ok
+        opts = [o.encode() for o in (*K.options(), f"-arch={arch}", "-ftz=true")]
+        if nvrtc.nvrtcCompileProgram(prog, len(opts), opts)[0] != ok:
+            size = nvrtc.nvrtcGetProgramLogSize(prog)[1]
+            log = b" " * size
+            nvrtc.nvrtcGetProgramLog(prog, log)
+            raise RuntimeError(log.decode(errors="replace"))
+        size = nvrtc.nvrtcGetCUBINSize(prog)[1]
+        buf = b" " * size
+        nvrtc.nvrtcGetCUBIN(prog, buf)
+        return buf
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def instructions(sass: str):
+    for line in sass.splitlines():
+        m = re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
+        if m:
+            yield m.group(1), m.group(2)
+
+
+def load_report(ins):
+    """(address, load, loads issued before its first use, why the scan stopped) per LDG."""
+    ins = list(ins)
+    out = []
+    for i, (addr, op) in enumerate(ins):
+        m = re.search(r"LDG\S*\s+R(\d+)", op)
+        if not m:
+            continue
+        width = 4 if ".128" in op else 2 if ".64" in op else 1
+        dst = {str(int(m.group(1)) + k) for k in range(width)}
+        n, why = 0, "end"
+        for _, op2 in ins[i + 1:i + 400]:
+            parts = op2.split(None, 1)
+            operands = parts[1] if len(parts) > 1 else ""
+            srcs = set(re.findall(r"\bR(\d+)\b", operands.split(",", 1)[1] if "," in operands else ""))
+            if re.search(r"\b(STG|STS|ST)\b", op2):
+                srcs = set(re.findall(r"\bR(\d+)\b", operands))
+            if "LDG" in op2:
+                n += 1
+            if dst & srcs:
+                why = "use"
+                break
+            if re.search(r"\b(BRA|BAR|EXIT)\b", op2):
+                why = "branch"
+                break
+        out.append((addr, op, n, why))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("src", choices=sorted(K.SOURCES))
+    ap.add_argument("name", help="a name expression, as kernels/_build.py writes them")
+    ap.add_argument("--cuobjdump", default="cuobjdump")
+    ap.add_argument("--all", action="store_true", help="list every load, not only 16-byte ones")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin(args.src, args.name))
+        sass = subprocess.run([args.cuobjdump, "-sass", path], check=True, capture_output=True,
+                              text=True).stdout
+    rows = load_report(instructions(sass))
+    hist = collections.Counter(n for _, op, n, why in rows if ".128" in op)
+    for addr, op, n, why in rows:
+        if args.all or ".128" in op:
+            flag = "  READ-ONLY PATH" if "CONSTANT" in op else ""
+            print(f"{addr:>6}  {op[:58]:58s} {n} more loads before its {why}{flag}")
+    print("16-byte loads by the number of loads issued before their first use:",
+          dict(sorted(hist.items())))
+
+
+if __name__ == "__main__":
+    main()
