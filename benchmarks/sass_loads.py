@@ -27,24 +27,7 @@ from sdm_cupy.kernels import _build as K
 
 
 def cubin(src: str, name: str, arch: str = "sm_90") -> bytes:
-    from cuda.bindings import nvrtc
-    ok = nvrtc.nvrtcResult.NVRTC_SUCCESS
-    err, prog = nvrtc.nvrtcCreateProgram(K.source(src).encode(), f"{src}.cu".encode(), 0, [], [])
-    assert err == ok, err
-    try:
-        assert nvrtc.nvrtcAddNameExpression(prog, name.encode())[0] == ok
-        opts = [o.encode() for o in (*K.options(), f"-arch={arch}", "-ftz=true")]
-        if nvrtc.nvrtcCompileProgram(prog, len(opts), opts)[0] != ok:
-            size = nvrtc.nvrtcGetProgramLogSize(prog)[1]
-            log = b" " * size
-            nvrtc.nvrtcGetProgramLog(prog, log)
-            raise RuntimeError(log.decode(errors="replace"))
-        size = nvrtc.nvrtcGetCUBINSize(prog)[1]
-        buf = b" " * size
-        nvrtc.nvrtcGetCUBIN(prog, buf)
-        return buf
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
+    return K.nvrtc_compile(src, K.source(src), K.options(), [name], arch)[2]
 
 
 def instructions(sass: str):

@@ -166,6 +166,41 @@ def module_specs():
             for src in SOURCES for key in module_keys(src)]
 
 
+def nvrtc_compile(src: str, text: str, opts, names, arch: str = "sm_90"):
+    """Compiles ``text`` with NVRTC from ``cuda-bindings`` (no GPU needed), plus the ``-arch``
+    and ``-ftz=true`` that CuPy adds itself; returns (log, lowered names, cubin bytes).
+    Raises RuntimeError on any NVRTC failure (with the log when compilation failed)."""
+    from cuda.bindings import nvrtc
+    ok = nvrtc.nvrtcResult.NVRTC_SUCCESS
+
+    def check(result, what):
+        if result[0] != ok:
+            raise RuntimeError(f"{src}: {what}: {result[0]}")
+        return result[1:]
+
+    (prog,) = check(nvrtc.nvrtcCreateProgram(text.encode(), f"{src}.cu".encode(), 0, [], []),
+                    "create")
+    try:
+        for n in names:
+            check(nvrtc.nvrtcAddNameExpression(prog, n.encode()), f"name {n}")
+        o = [x.encode() for x in (*opts, f"-arch={arch}", "-ftz=true")]
+        err = nvrtc.nvrtcCompileProgram(prog, len(o), o)[0]
+        (size,) = check(nvrtc.nvrtcGetProgramLogSize(prog), "log size")
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        log = log.decode(errors="replace").rstrip("\x00 ")
+        if err != ok:
+            raise RuntimeError(f"{src}: {err}\n{log[:6000]}")
+        lowered = [check(nvrtc.nvrtcGetLoweredName(prog, n.encode()), f"lowered {n}")[0]
+                   for n in names]
+        (cubin_size,) = check(nvrtc.nvrtcGetCUBINSize(prog), "cubin size")
+        cubin = b" " * cubin_size
+        nvrtc.nvrtcGetCUBIN(prog, cubin)
+        return log, lowered, cubin
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
 _modules: dict = {}
 _lock = threading.Lock()
 

@@ -224,7 +224,7 @@ def plan(lay: Layout, config, *, quant=None, limits=None, backward=False) -> Pla
         keep = fwd_keep <= (KEEP_SMEM if fwd <= KEEP_SMEM else smem_max)
     else:
         keep = bool(KEEP_ROWS) and fwd_keep <= smem_max
-    per_chunk = (3 * C * lay.W + 4 * C + 1) * 4 + 2 * C * C * acc.itemsize + _r16(2 * C * C)
+    per_chunk = sum(n * np.dtype(dt).itemsize for n, dt in _bwd_scratch_rows(lay.W, C, acc))
     seg = max(1, min(Nt, BWD_SCRATCH // (lay.B * lay.P * per_chunk)))
     return Plan(C=C, Nt=Nt, TW=TW, ntile=ntile, N=N, smem_pre=pre,
                 smem_fwd=fwd_keep if keep else fwd, smem_bwd=bwd, keep=keep,
@@ -260,6 +260,12 @@ def _aligned(x, N) -> bool:
     return x.data.ptr % (N * x.dtype.itemsize) == 0
 
 
+def _rows16(x, lay, pl) -> bool:
+    """A [B, T, D] array whose tile rows the kernels may stage in 16-byte copies."""
+    sv = x.dtype.itemsize
+    return x.data.ptr % 16 == 0 and (lay.hd * sv) % 16 == 0 and (pl.TW * sv) % 16 == 0
+
+
 def _err_array():
     # the host-mapped word's address (unified addressing: the same pointer on the device)
     return np.uint64(_error_word())
@@ -283,15 +289,18 @@ def _prepass_sparse(lay, pl, acc, wi, aw, ri, cw, beta):
     return wrun, ptr, col, val
 
 
+def _bwd_scratch_rows(W, C, acc):
+    """(elements, dtype) per (b, p, chunk) of the backward pre-pass's outputs: sorted runs and
+    read links, CSR row pointers, columns (the plan's CS), values."""
+    return ((3 * C * W, np.int32), (4 * C + 1, np.int32), (_r16(2 * C * C), np.uint8),
+            (2 * C * C, acc))
+
+
 def _bwd_scratch(lay, pl, acc):
-    """The backward pre-pass's output for one range of pl.seg chunks: sorted runs and read
-    links [n, 3*C*W], CSR row pointers [n, 4C+1], columns [n, CS], values [n, 2*C*C]."""
+    """The backward pre-pass's output for one range of pl.seg chunks: srt, ptr, col, val."""
     import cupy
     n = lay.B * lay.P * pl.seg
-    return (cupy.empty((n, 3 * pl.C * lay.W), dtype=np.int32),
-            cupy.empty((n, 4 * pl.C + 1), dtype=np.int32),
-            cupy.empty((n, pl.CS), dtype=np.uint8),
-            cupy.empty((n, 2 * pl.C * pl.C), dtype=acc))
+    return tuple(cupy.empty((n, k), dtype=dt) for k, dt in _bwd_scratch_rows(lay.W, pl.C, acc))
 
 
 def _snapshot_arrays(lay, mode):
@@ -332,9 +341,7 @@ def sdm_fwd(lay: Layout, config, bank, write_idx, write_w, values, beta, read_id
     # bits: 1 bank, 4 readings, 8 snapshots (16-byte pieces); 32 values (16-byte staging)
     vecmask = (int(_aligned(bank, N)) | int(_aligned(out, N)) << 2
                | int(_aligned(snap, N)) << 3) if lay.hd % N == 0 else 0
-    sv = np.dtype(vk).itemsize
-    if v.data.ptr % 16 == 0 and (lay.hd * sv) % 16 == 0 and (pl.TW * sv) % 16 == 0:
-        vecmask |= 32
+    vecmask |= int(_rows16(v, lay, pl)) << 5
     q = K.QUANT_CODE[mode]
     key = (lay.bank_dtype, vk, lay.index_dtype)
     threads = THREADS
@@ -385,9 +392,7 @@ def sdm_bwd(lay: Layout, config, bank, inputs, snapshots, dr, dM):
     # staging)
     vecmask = (int(_aligned(bank, N)) | int(_aligned(snap, N)) << 3 | int(_aligned(dM, N)) << 4
                | int(_aligned(d_v, N)) << 6) if lay.hd % N == 0 else 0
-    sv = np.dtype(vk).itemsize
-    rows16 = (lay.hd * sv) % 16 == 0 and (pl.TW * sv) % 16 == 0
-    vecmask |= int(rows16 and v.data.ptr % 16 == 0) << 1 | int(rows16 and g.data.ptr % 16 == 0) << 2
+    vecmask |= int(_rows16(v, lay, pl)) << 1 | int(_rows16(g, lay, pl)) << 2
     q = K.QUANT_CODE[mode]
     key = (lay.bank_dtype, vk, lay.index_dtype)
     pkey = (acc, lay.index_dtype)

@@ -1,7 +1,7 @@
 """Every CUDA kernel instance of the GPU backend compiles for sm_90 with NVRTC (no GPU needed).
 
-Uses ``cuda.bindings.nvrtc`` directly with the very sources, options and name expressions that
-``sdm_cupy.kernels._build.module_specs()`` hands to ``cupy.RawModule`` (plus the ``-arch`` and
+Uses NVRTC from ``cuda-bindings`` (``_build.nvrtc_compile``) with the very sources, options
+and name expressions that ``sdm_cupy.kernels._build.module_specs()`` hands to ``cupy.RawModule`` (plus the ``-arch`` and
 ``-ftz=true`` that CuPy adds itself): one NVRTC program per module, as the backend builds
 them, compiled in parallel processes (one per core).
 """
@@ -13,40 +13,15 @@ import os
 
 import pytest
 
-nvrtc = pytest.importorskip("cuda.bindings.nvrtc")
+pytest.importorskip("cuda.bindings.nvrtc")
 
 from sdm_cupy.kernels import _build  # noqa: E402
 
 pytestmark = pytest.mark.nvrtc
 
 
-def _check(result, what):
-    err = result[0]
-    assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, f"{what}: {err}"
-    return result[1:]
-
-
 def _compile(src, text, opts, names, arch="sm_90"):
-    (prog,) = _check(nvrtc.nvrtcCreateProgram(text.encode(), f"{src}.cu".encode(), 0, [], []),
-                     "create")
-    try:
-        for n in names:
-            _check(nvrtc.nvrtcAddNameExpression(prog, n.encode()), f"name {n}")
-        o = [x.encode() for x in (*opts, f"-arch={arch}", "-ftz=true")]
-        err = nvrtc.nvrtcCompileProgram(prog, len(o), o)[0]
-        (size,) = _check(nvrtc.nvrtcGetProgramLogSize(prog), "log size")
-        log = b" " * size
-        nvrtc.nvrtcGetProgramLog(prog, log)
-        log = log.decode(errors="replace").rstrip("\x00 ")
-        assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, f"{src}: {err}\n{log[:6000]}"
-        lowered = []
-        for n in names:
-            (low,) = _check(nvrtc.nvrtcGetLoweredName(prog, n.encode()), f"lowered {n}")
-            lowered.append(low)
-        (cubin_size,) = _check(nvrtc.nvrtcGetCUBINSize(prog), "cubin size")
-        return log, lowered, cubin_size
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
+    return _build.nvrtc_compile(src, text, opts, names, arch)
 
 
 def _per_source():
@@ -81,9 +56,9 @@ def test_all_kernels_compile_for_sm90():
         futures = [(src, names, pool.submit(_compile, src, text, opts, names))
                    for src, text, opts, names in specs]
         for src, names, fut in futures:
-            log, lowered, cubin_size = fut.result()
+            log, lowered, cubin = fut.result()
             assert len(lowered) == len(names)
-            assert cubin_size > 0, src
+            assert len(cubin) > 0, src
             assert "warning" not in log.lower(), f"{src} {names[0]}: {log[:3000]}"
 
 
@@ -93,7 +68,7 @@ def test_forward_compiles_for_sm75_without_cp_async():
     key = (_build.BFLOAT16, _build.BFLOAT16, _build.I32)
     for src, k in (("fwd", key), ("prepass", (_build.F32, _build.I32))):
         names = _build._names(src, k)
-        log, lowered, size = _compile(src, _build.source(src), _build.options(), names,
-                                      arch="sm_75")
-        assert len(lowered) == len(names) and size > 0
+        log, lowered, cubin = _compile(src, _build.source(src), _build.options(), names,
+                                       arch="sm_75")
+        assert len(lowered) == len(names) and len(cubin) > 0
         assert "warning" not in log.lower(), log[:3000]
