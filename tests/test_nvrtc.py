@@ -1,9 +1,9 @@
 """Every CUDA kernel instance of the GPU backend compiles for sm_90 with NVRTC (no GPU needed).
 
 Uses NVRTC from ``cuda-bindings`` (``_build.nvrtc_compile``) with the very sources, options
-and name expressions that ``sdm_cupy.kernels._build.module_specs()`` hands to ``cupy.RawModule`` (plus the ``-arch`` and
-``-ftz=true`` that CuPy adds itself): one NVRTC program per module, as the backend builds
-them, compiled in parallel processes (one per core).
+and name expressions that ``sdm_cupy.kernels._build.module_specs()`` hands to
+``cupy.RawModule`` (plus the ``-arch`` and ``-ftz=true`` that CuPy adds itself): one NVRTC
+program per module, as the backend builds them, compiled in parallel processes (one per core).
 """
 
 from __future__ import annotations
