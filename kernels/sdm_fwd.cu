@@ -25,6 +25,10 @@ namespace sdm {
 // order, hence the readings, do not depend on the tiling or the snapshot mode
 constexpr int WS_MAX = 4;
 constexpr int SB = 4;        // scatter tasks per thread whose loads are in flight together
+#ifndef SDM_FWD_GU
+#define SDM_FWD_GU 2
+#endif
+constexpr int GU = SDM_FWD_GU;  // entries per step of the gather's fast path
 constexpr int E_STAGE = 512; // CSR entries of a chunk staged in shared memory (more: read from L2)
 constexpr int W_HEAD = 1 << 16, W_BAD = 1 << 17, W_NEXT = 0xFFFF;
 
@@ -65,6 +69,11 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
   const int NPC = (tw + N - 1) / N, TWP = ((TW + N - 1) / N) * N, TVP = (TWP + 7) & ~7;
   const bool vb = vecmask & 1, vo = vecmask & 4, vs = vecmask & 8, v16 = vecmask & 32;
   constexpr int NV = 16 / sizeof(V);   // values per 16-byte copy
+#ifdef SDM_FWD_GENERAL_GATHER   // benchmarks: the general path only, for comparison
+  const bool fast = false;
+#else
+  const bool fast = vb && (vs || !save) && tw % N == 0;
+#endif
 
   extern __shared__ __align__(16) unsigned char smem[];
   FwdStage<T, V, A, I> st;
@@ -206,8 +215,71 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
         A x[N], y[N];
 #pragma unroll
         for (int i = 0; i < N; ++i) { x[i] = A(0); y[i] = A(0); }
-        if (act) {
-          // a write row and a read row per step, unrolled: eight loads in flight per thread
+        // one entry's rows, loaded: accumulate X and Y, keep the head row, save the snapshot
+        auto use = [&](int w, bool ok, bool okr, const T (&m)[N], const T (&mr)[N]) {
+          const int e = t * W + w;
+          const A a = g.aw[e], c = g.cw[e];
+#pragma unroll
+          for (int i = 0; i < N; ++i) {
+            x[i] = ok ? fma_(a, to_acc(m[i], A()), x[i]) : x[i];
+            y[i] = okr ? fma_(c, to_acc(mr[i], A()), y[i]) : y[i];
+          }
+          if (keep && (g.wrun[e] & (W_HEAD | W_BAD)) == W_HEAD)
+            store_raw<N>(keep_s + (long long)e * TWP + cc, m, N, true);
+          if (save) {
+            const long long off = tok * W + w;
+            if constexpr (Q == 0) {
+              store_raw<N>(snap + off * hd + c0 + cc, m, nv, vs);
+            } else if constexpr (Q == 1) {
+              A mv[N];
+#pragma unroll
+              for (int i = 0; i < N; ++i) mv[i] = to_acc(m[i], A());
+              store_piece<N>(snap + off * hd + c0 + cc, mv, nv, vs);
+            } else {
+              float mx = 0.f;
+#pragma unroll
+              for (int i = 0; i < N; ++i) mx = fmaxf(mx, fabsf((float)to_acc(m[i], A())));
+              if (ok) atomicMax(reinterpret_cast<int*>(amax_s + e), __float_as_int(mx));
+            }
+          }
+        };
+        if (act && fast) {
+          // every piece full and aligned: the rows of GU entries (ids clamped to row 0, bad
+          // ones zeroed by a select) are loaded before any of them is used, so 2 GU 16-byte
+          // loads are in flight per thread; same entries, same order as the general path
+          int w = ws;
+          for (; w + (GU - 1) * WS < W; w += GU * WS) {
+            T m[GU][N], mr[GU][N];
+            bool ok[GU], okr[GU];
+#pragma unroll
+            for (int j = 0; j < GU; ++j) {
+              const int e = t * W + w + j * WS;
+              const I id = g.wid[e], jd = g.rid[e];
+              ok[j] = valid_id(id, S);
+              okr[j] = valid_id(jd, S);
+              load_raw<N>(m[j], bank_b + (long long)(ok[j] ? id : 0) * D + cc, N, true);
+              load_raw<N>(mr[j], bank_b + (long long)(okr[j] ? jd : 0) * D + cc, N, true);
+            }
+#pragma unroll
+            for (int j = 0; j < GU; ++j) {
+#pragma unroll
+              for (int i = 0; i < N; ++i) m[j][i] = ok[j] ? m[j][i] : From<T>::cvt(0.0f);
+              use(w + j * WS, ok[j], okr[j], m[j], mr[j]);
+            }
+          }
+          for (; w < W; w += WS) {
+            const int e = t * W + w;
+            const I id = g.wid[e], jd = g.rid[e];
+            const bool ok = valid_id(id, S), okr = valid_id(jd, S);
+            T m[N], mr[N];
+            load_raw<N>(m, bank_b + (long long)(ok ? id : 0) * D + cc, N, true);
+            load_raw<N>(mr, bank_b + (long long)(okr ? jd : 0) * D + cc, N, true);
+#pragma unroll
+            for (int i = 0; i < N; ++i) m[i] = ok ? m[i] : From<T>::cvt(0.0f);
+            use(w, ok, okr, m, mr);
+          }
+        } else if (act) {
+          // general path (a partial piece, or rows not 16-byte aligned)
 #pragma unroll 4
           for (int w = ws; w < W; w += WS) {
             const int e = t * W + w;
@@ -220,34 +292,11 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
               for (int i = 0; i < N; ++i) m[i] = From<T>::cvt(0.0f);
             }
             if (okr) load_raw<N>(mr, bank_b + (long long)jd * D + cc, nv, vb);
-            if (ok) {
-              const A a = g.aw[e];
+            else {
 #pragma unroll
-              for (int i = 0; i < N; ++i) x[i] = fma_(a, to_acc(m[i], A()), x[i]);
+              for (int i = 0; i < N; ++i) mr[i] = From<T>::cvt(0.0f);
             }
-            if (okr) {
-              const A c = g.cw[e];
-#pragma unroll
-              for (int i = 0; i < N; ++i) y[i] = fma_(c, to_acc(mr[i], A()), y[i]);
-            }
-            if (keep && (g.wrun[e] & (W_HEAD | W_BAD)) == W_HEAD)
-              store_raw<N>(keep_s + (long long)e * TWP + cc, m, N, true);
-            if (save) {
-              const long long off = tok * W + w;
-              if constexpr (Q == 0) {
-                store_raw<N>(snap + off * hd + c0 + cc, m, nv, vs);
-              } else if constexpr (Q == 1) {
-                A mv[N];
-#pragma unroll
-                for (int i = 0; i < N; ++i) mv[i] = to_acc(m[i], A());
-                store_piece<N>(snap + off * hd + c0 + cc, mv, nv, vs);
-              } else {
-                float mx = 0.f;
-#pragma unroll
-                for (int i = 0; i < N; ++i) mx = fmaxf(mx, fabsf((float)to_acc(m[i], A())));
-                if (ok) atomicMax(reinterpret_cast<int*>(amax_s + e), __float_as_int(mx));
-              }
-            }
+            use(w, ok, okr, m, mr);
           }
         }
         for (int o = 1; o < WS; o <<= 1) {
