@@ -33,6 +33,79 @@ constexpr int RUN_HEAD = 1 << 30, RUN_BAD = 1 << 29, QMASK = (1 << QBITS) - 1;
 constexpr int WRUN_HEAD = 1 << 16, WRUN_BAD = 1 << 17;
 
 
+// One compare-exchange step (k, j) of a bitonic sort for the element at index i (value x)
+// whose partner i ^ j (j < 32) sits in lane ^ j of the same warp.
+__device__ __forceinline__ unsigned long long bitonic_lane(unsigned long long x, int i, int k, int j) {
+  const unsigned long long y = __shfl_xor_sync(0xffffffffu, x, j);
+  const bool lower = (i & j) == 0, up = (i & k) == 0;
+  return (lower == up) ? (x < y ? x : y) : (x < y ? y : x);
+}
+
+// The stages j <= 32 of merge size k (kmin = 2: every stage of a sort up to k = 64) on the
+// 64-element segments of keys[0, M2), one segment per warp at a time: lane l holds elements
+// l and l + 32, so j = 32 is within a thread and j < 32 a shuffle; no block barrier inside.
+__device__ __forceinline__ void bitonic_warp(unsigned long long* keys, int M2, int kmin, int kmax) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarp = blockDim.x >> 5;
+  for (int base = warp * 64; base < M2; base += nwarp * 64) {
+    unsigned long long a = keys[base + lane], b = keys[base + lane + 32];
+    const int ia = base + lane, ib = ia + 32;
+    for (int k = kmin; k <= kmax; k <<= 1) {
+      for (int j = min(k >> 1, 32); j > 0; j >>= 1) {
+        if (j == 32) {
+          const bool up = (ia & k) == 0;
+          if ((a > b) == up) { const unsigned long long t = a; a = b; b = t; }
+        } else {
+          a = bitonic_lane(a, ia, k, j);
+          b = bitonic_lane(b, ib, k, j);
+        }
+      }
+    }
+    keys[base + lane] = a;
+    keys[base + lane + 32] = b;
+  }
+}
+
+// Ascending bitonic sort of keys[0, M2) (M2 a power of two) by the whole block. Stages with
+// j >= 64 go through shared memory with a barrier each; the others run warp by warp in
+// registers (bitonic_warp), so a sort of 2048 keys takes 21 barriers instead of 66.
+__device__ void sort_keys(unsigned long long* keys, int M2) {
+#ifdef SDM_PREPASS_PLAIN_SORT   // benchmarks: every stage through shared memory, for comparison
+  if (true) {
+#else
+  if (M2 < 64) {
+#endif
+    for (int k = 2; k <= M2; k <<= 1) {
+      for (int j = k >> 1; j > 0; j >>= 1) {
+        for (int i = threadIdx.x; i < M2; i += blockDim.x) {
+          const int ixj = i ^ j;
+          if (ixj > i) {
+            const unsigned long long x = keys[i], y = keys[ixj];
+            if ((x > y) == ((i & k) == 0)) { keys[i] = y; keys[ixj] = x; }
+          }
+        }
+        __syncthreads();
+      }
+    }
+    return;
+  }
+  bitonic_warp(keys, M2, 2, 64);
+  __syncthreads();
+  for (int k = 128; k <= M2; k <<= 1) {
+    for (int j = k >> 1; j >= 64; j >>= 1) {
+      for (int i = threadIdx.x; i < M2; i += blockDim.x) {
+        const int ixj = i ^ j;
+        if (ixj > i) {
+          const unsigned long long x = keys[i], y = keys[ixj];
+          if ((x > y) == ((i & k) == 0)) { keys[i] = y; keys[ixj] = x; }
+        }
+      }
+      __syncthreads();
+    }
+    bitonic_warp(keys, M2, k, k);   // its stages j = 32 .. 1
+    __syncthreads();
+  }
+}
+
 template <typename A, typename I, int SPARSE>
 __global__ void __launch_bounds__(512)
 sdm_prepass_kernel(const I* __restrict__ wi, const A* __restrict__ aw, const I* __restrict__ ri,
@@ -94,19 +167,7 @@ sdm_prepass_kernel(const I* __restrict__ wi, const A* __restrict__ aw, const I* 
   for (int t = threadIdx.x; t < L; t += blockDim.x) bet_s[t] = beta[((long long)b * T + t0 + t) * P + p];
   __syncthreads();
   // 2. bitonic sort of M2 keys (ascending)
-  for (int k = 2; k <= M2; k <<= 1) {
-    for (int j = k >> 1; j > 0; j >>= 1) {
-      for (int i = threadIdx.x; i < M2; i += blockDim.x) {
-        const int ixj = i ^ j;
-        if (ixj > i) {
-          const unsigned long long x = keys[i], y = keys[ixj];
-          const bool up = (i & k) == 0;
-          if ((x > y) == up) { keys[i] = y; keys[ixj] = x; }
-        }
-      }
-      __syncthreads();
-    }
-  }
+  sort_keys(keys, M2);
   // 3. runs and the inverse permutation
   for (int i = threadIdx.x; i < NS; i += blockDim.x) {
     const unsigned long long key = keys[i], slot = key >> QBITS;
@@ -252,9 +313,25 @@ sdm_prepass_kernel(const I* __restrict__ wi, const A* __restrict__ aw, const I* 
     }
     __syncthreads();
     if (!pass) {
+#ifdef SDM_PREPASS_SERIAL_SCAN
       if (threadIdx.x == 0) {
         rptr[0] = 0;
         for (int r = 0; r < NSEC * C; ++r) rptr[r + 1] += rptr[r];
+      }
+      if (false)
+#endif
+      if (warp == 0) {   // inclusive scan of the counts rptr[1..R]: a run of rows per lane
+        const int R = NSEC * C, per = (R + 31) / 32, r0 = min(R, lane * per), r1 = min(R, r0 + per);
+        int sum = 0;
+        for (int r = r0; r < r1; ++r) sum += rptr[r + 1];
+        int incl = sum;
+        for (int o = 1; o < 32; o <<= 1) {
+          const int x = __shfl_up_sync(0xffffffffu, incl, o);
+          if (lane >= o) incl += x;
+        }
+        int run = incl - sum;
+        for (int r = r0; r < r1; ++r) { run += rptr[r + 1]; rptr[r + 1] = run; }
+        if (lane == 0) rptr[0] = 0;
       }
       __syncthreads();
       for (int r = threadIdx.x; r <= NSEC * C; r += blockDim.x)
