@@ -134,6 +134,30 @@ def test_forward_kept_rows_and_staged_entries(rng, keep_rows, S, dtype):
     assert_close(fin, fin_ref, tol, "final bank")
 
 
+@pytest.mark.parametrize("macros", ["-DSDM_FWD_GENERAL_GATHER",
+                                    "-DSDM_PREPASS_PLAIN_SORT -DSDM_PREPASS_SERIAL_SCAN"],
+                         ids=["general_gather", "plain_sort"])
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
+def test_compile_time_variants_leave_results_bitwise_equal(rng, monkeypatch, macros, dtype):
+    """The benchmarks' compile-time variants (the forward's general gather instead of its
+    fast path for full aligned pieces; the pre-pass's shared-memory-only sort and serial
+    scan) change no bit of the forward (with snapshots), of the backward's exact-owner
+    gradients (bank, values) or of the rewound bank."""
+    from sdm_cupy.kernels import _build as K
+    pb = make_problem(rng, B=2, T=150, P=2, hd=32, S=300, W=12, dtype=dtype)
+    dr = rng.normal(size=pb.values.shape).astype(dtype)
+    outs = []
+    for extra in ("", macros):
+        monkeypatch.setenv("SDM_CUPY_NVRTC_OPTIONS", extra)
+        monkeypatch.setattr(K, "_modules", {})   # compile again, with these options
+        (r, fin), grads, rewound = _run(pb, _cfg(pb, 64), dr, None)
+        outs.append((r, fin, grads[0], grads[2], rewound))
+    for name, a, b_ in zip(("readings", "final bank", "grad bank", "grad values",
+                            "rewound bank"), *outs):
+        assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b_).view(np.uint8)), name
+    assert np.array_equal(outs[0][4].view(np.uint8), pb.bank.view(np.uint8))
+
+
 @pytest.mark.parametrize("W", [3, 40, 64, 80], ids=lambda w: f"W{w}")
 def test_one_token_chunks_match_reference(rng, W):
     """C = 1 (decoding): up to W = 64 the forward finds a token's overlaps itself (W > 32 puts
