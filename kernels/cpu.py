@@ -115,6 +115,55 @@ _SNAP_VIEW = {"bf16": _BF16, "fp8_e4m3": np.dtype(ml_dtypes.float8_e4m3fn),
 
 # ------------------------------------------------------------------------------- host side
 
+# ---- reused snapshot buffers -----------------------------------------------------------------
+# A forward that saves snapshots fills B*T*P*W*hd fresh elements. Fresh memory of that size is
+# a new mapping whose pages the OS zeroes at first touch, inside the kernel; with NumPy's
+# huge-page advice that can cost several times the forward itself (benchmarks/RESULTS.md,
+# `benchmarks/cpu_snapshot_memory.py`). The backward is the snapshots' last reader, so
+# ``sdm_cupy.backward`` hands them back here (only when nothing else can refer to them: see
+# ``SavedState``) and the next forward of the same shape takes them instead of new memory.
+SPARE_BYTES = 1 << 30       # at most this many bytes of snapshot buffers wait for reuse
+_spare: dict = {}           # (shape, dtype) -> [arrays]; insertion order = age
+_spare_lock = threading.Lock()
+
+
+def _snapshot_empty(shape, dtype):
+    key = (tuple(shape), np.dtype(dtype))
+    with _spare_lock:
+        arrays = _spare.get(key)
+        if arrays:
+            a = arrays.pop()
+            if not arrays:
+                del _spare[key]
+            return a
+    return np.empty(shape, dtype)
+
+
+def recycle_snapshots(snapshots) -> None:
+    """Keeps a consumed forward's snapshot buffers (rows, scales) for the next forward of the
+    same shape, dropping the oldest beyond ``SPARE_BYTES``. The caller guarantees that no one
+    else refers to them."""
+    with _spare_lock:
+        for a in snapshots:
+            if a is None or a.base is not None or a.nbytes > SPARE_BYTES:
+                continue
+            _spare.setdefault((a.shape, a.dtype), []).append(a)
+        total = sum(a.nbytes for arrays in _spare.values() for a in arrays)
+        while total > SPARE_BYTES:
+            key = next(iter(_spare))
+            total -= _spare[key].pop(0).nbytes
+            if not _spare[key]:
+                del _spare[key]
+
+
+def release_spare_buffers() -> int:
+    """Frees the snapshot buffers kept for reuse; returns the bytes released."""
+    with _spare_lock:
+        n = sum(a.nbytes for arrays in _spare.values() for a in arrays)
+        _spare.clear()
+    return n
+
+
 def _storage(x):
     """(array the kernels take, format code): 16-bit floats travel as uint16 bits."""
     if x.dtype == np.float16:
@@ -217,11 +266,12 @@ def sdm_fwd(lay, config, bank, write_idx, write_w, values, beta, read_idx, read_
         mode = SNAP_CODES[quant]
         nrows = (B, P, T, W, hd)
         if quant is None:
-            snapshots = (np.empty(nrows, bank.dtype), None)
+            snapshots = (_snapshot_empty(nrows, bank.dtype), None)
         elif quant == "bf16":
-            snapshots = (np.empty(nrows, _BF16), None)
+            snapshots = (_snapshot_empty(nrows, _BF16), None)
         else:
-            snapshots = (np.empty(nrows, _SNAP_VIEW[quant]), np.empty((B, P, T, W), np.float32))
+            snapshots = (_snapshot_empty(nrows, _SNAP_VIEW[quant]),
+                         _snapshot_empty((B, P, T, W), np.float32))
     nat, u16, u8, sc = _snapshot_arrays(lay, bank_k, snapshots, mode)
     bad = np.zeros((B * P, 2), np.int64)
     with _LOCK:

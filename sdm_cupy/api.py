@@ -62,12 +62,24 @@ class SavedState:
     array in ``ForwardResult.bank``), the inputs and the snapshot rows. Consumed by the first
     ``backward``; the inputs must not be modified in between (they are read, not copied)."""
 
-    def __init__(self, backend, lay, config, bank, inputs, snapshots, input_dtypes):
+    def __init__(self, backend, lay, config, bank, inputs, snapshots, input_dtypes,
+                 recyclable=True):
         self.backend, self.layout, self.config = backend, lay, config
-        self.bank, self.inputs, self.snapshots = bank, inputs, snapshots
+        self.bank, self.inputs, self._snapshots = bank, inputs, snapshots
         self.input_dtypes = input_dtypes
         self._lock = threading.Lock()
         self._consumed = False
+        # the backward may hand the snapshot buffers back to the backend for a later forward
+        # (CPU: fresh memory costs more than the forward); only while nobody else can hold
+        # them: reading ``snapshots`` or rearming turns this off
+        self._recyclable = recyclable
+
+    @property
+    def snapshots(self):
+        """The snapshot rows (and scales) the backward reads; None once consumed. Reading
+        this keeps the buffers from being reused after the backward."""
+        self._recyclable = False
+        return self._snapshots
 
     @property
     def consumed(self) -> bool:
@@ -81,7 +93,7 @@ class SavedState:
                     "backward (which rewound the bank in place); run forward again to get a "
                     "new one")
             self._consumed = True
-        snapshots, self.snapshots = self.snapshots, None
+        snapshots, self._snapshots = self._snapshots, None
         return snapshots
 
     def rearmed(self) -> "SavedState":
@@ -97,15 +109,16 @@ class SavedState:
         """
         if self._consumed:
             self._take()  # raises
+        self._recyclable = False   # the copies share the snapshot buffers
         return SavedState(self.backend, self.layout, self.config, self.bank, self.inputs,
-                          self.snapshots, self.input_dtypes)
+                          self._snapshots, self.input_dtypes, recyclable=False)
 
     @property
     def nbytes(self) -> int:
         """Device or host bytes held by the snapshots."""
-        if self.snapshots is None:
+        if self._snapshots is None:
             return 0
-        return int(sum(a.nbytes for a in self.snapshots if a is not None))
+        return int(sum(a.nbytes for a in self._snapshots if a is not None))
 
 
 def _contiguous(xp, x, dtype=None):
@@ -211,6 +224,9 @@ def backward(saved: SavedState, grad_readings, grad_bank=None) -> Gradients:
         dM = xp.array(grad_bank, dtype=lay.grad_bank_dtype, order="C", copy=True)
     snapshots = saved._take()
     grads = saved.backend.sdm_bwd(lay, saved.config, saved.bank, saved.inputs, snapshots, dr, dM)
+    recycle = getattr(saved.backend, "recycle_snapshots", None)
+    if recycle is not None and saved._recyclable and snapshots is not None:
+        recycle(snapshots)   # their last reader is done; no one else holds them
     d_bank, d_ww, d_v, d_beta, d_rw = grads
     dt_ww, dt_v, dt_beta, dt_rw = saved.input_dtypes
     saved.inputs = None

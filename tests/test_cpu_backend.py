@@ -416,3 +416,89 @@ def test_needs_backward_false_saves_nothing(rng):
     pb = make_problem(rng, B=1, T=4, P=1, hd=4, S=8, W=2)
     res = sdm.forward(*pb.args(), cfg_for(pb), needs_backward=False)
     assert res.saved is None
+
+
+# ---- reused snapshot buffers ----------------------------------------------------------------
+def _addr(a):
+    return a.__array_interface__["data"][0]
+
+
+@pytest.fixture
+def spare():
+    cpu.release_spare_buffers()
+    yield
+    cpu.release_spare_buffers()
+
+
+@pytest.mark.parametrize("mode", [None, "int8"])
+def test_snapshot_buffers_are_reused_after_backward_with_the_same_results(rng, spare, mode):
+    """A consumed forward's snapshot buffers (rows, and scales for fp8/int8) serve the next
+    forward of the same shape; its readings, bank and gradients equal those of a forward in
+    fresh memory, bit for bit."""
+    pb = make_problem(rng, B=2, T=30, P=2, hd=12, S=40, W=4, dtype=np.float32)
+    cfg = cfg_for(pb, snapshot_quant=mode)
+    dr = rng.normal(size=pb.values.shape).astype(np.float32)
+    first = sdm.forward(*pb.args(), cfg)
+    held = [a for a in first.saved._snapshots if a is not None]   # (alive: no address reuse)
+    sdm.backward(first.saved, dr)
+    assert all(any(a is b_ for b_ in cpu._spare[(a.shape, a.dtype)]) for a in held)
+    res = sdm.forward(*pb.args(), cfg)
+    got = [a for a in res.saved._snapshots if a is not None]
+    assert len(got) == len(held) and all(a is b_ for a, b_ in zip(got, held))
+    g = sdm.backward(res.saved, dr)
+    cpu.release_spare_buffers()
+    old = cpu.SPARE_BYTES
+    cpu.SPARE_BYTES = 0
+    try:
+        want = sdm.forward(*pb.args(), cfg)
+        assert not any(a is b_ for a in want.saved._snapshots for b_ in held)
+        gw = sdm.backward(want.saved, dr)
+        assert cpu._spare == {}
+    finally:
+        cpu.SPARE_BYTES = old
+    assert np.array_equal(res.readings, want.readings)
+    assert np.array_equal(res.bank, want.bank)
+    for name in ("bank", "write_w", "values", "beta", "read_w"):
+        assert np.array_equal(getattr(g, name), getattr(gw, name)), name
+
+
+def test_snapshot_buffers_someone_can_hold_are_never_reused(rng, spare):
+    """Buffers read through ``saved.snapshots`` or shared by ``rearmed()`` copies stay the
+    caller's: a later forward of the same shape gets other memory and they keep their bits."""
+    pb = make_problem(rng, B=1, T=20, P=2, hd=8, S=30, W=3, dtype=np.float32)
+    cfg = cfg_for(pb)
+    dr = rng.normal(size=pb.values.shape).astype(np.float32)
+    res = sdm.forward(*pb.args(), cfg)
+    rows = res.saved.snapshots[0]
+    kept = rows.copy()
+    sdm.backward(res.saved, dr)
+    template = sdm.forward(*pb.args(), cfg).saved
+    assert _addr(template._snapshots[0]) != _addr(rows)
+    shared = template._snapshots[0]
+    kept2 = shared.copy()
+    sdm.backward(template.rearmed(), dr)
+    nxt = sdm.forward(*pb.args(), cfg)
+    assert _addr(nxt.saved._snapshots[0]) not in (_addr(rows), _addr(shared))
+    assert np.array_equal(rows, kept) and np.array_equal(shared, kept2)
+    assert not template.consumed and template.nbytes == shared.nbytes
+    # the template itself, once rearmed, keeps its buffers out of reuse too
+    t2 = sdm.forward(*pb.args(), cfg).saved
+    copy = t2.rearmed()
+    sdm.backward(t2, dr)
+    assert _addr(sdm.forward(*pb.args(), cfg).saved._snapshots[0]) != _addr(copy._snapshots[0])
+
+
+def test_spare_snapshot_memory_is_bounded_and_releasable(rng, spare, monkeypatch):
+    """At most SPARE_BYTES wait for reuse (the oldest go first); release_spare_buffers()
+    frees them all."""
+    pb = make_problem(rng, B=1, T=16, P=1, hd=8, S=20, W=2, dtype=np.float32)
+    one = pb.T * pb.W * pb.hd * 4
+    monkeypatch.setattr(cpu, "SPARE_BYTES", 2 * one)
+    for T in (16, 15, 14):   # three shapes of about `one` bytes each
+        sub = make_problem(rng, B=1, T=T, P=1, hd=8, S=20, W=2, dtype=np.float32)
+        r = sdm.forward(*sub.args(), cfg_for(sub))
+        sdm.backward(r.saved, np.zeros_like(sub.values))
+    kept = sorted(k[0][2] for k in cpu._spare)
+    assert kept == [14, 15]
+    assert cpu.release_spare_buffers() == (14 + 15) * pb.W * pb.hd * 4
+    assert cpu._spare == {}
