@@ -314,3 +314,36 @@ def test_backward_captured_in_its_forwards_mempool(env, rng, monkeypatch):
     mempool = r._entries[True].mempool
     assert len(used) == 2 and r.stats["backward_capture"] == 1
     assert used[0] is mempool and used[1] is mempool
+
+
+# ---- §8 point 8: what keeps a runner alive; point 2: batch is part of the key ---------------
+def test_a_pending_backward_does_not_keep_its_runner_alive(env, rng):
+    """SPEC §8 (entries live while a runner or a pending backward refers to them): the entry
+    refers to its runners weakly, so a pending backward keeps the entry, not the runner."""
+    import gc
+    import weakref
+    pb, p = problem(env, rng)
+    r = runner(env)
+    _, _, h = r.forward(p, *pb.inputs, cfg(), batch=pb.B)
+    alive = weakref.ref(r)
+    entry = weakref.ref(r._entries[True])
+    del r
+    gc.collect()
+    assert alive() is None, "the pending backward kept its runner"
+    assert entry() is not None, "the pending backward must keep its entry"
+    del h
+
+
+def test_static_inputs_with_another_batch_are_refused(env, rng):
+    """SPEC §8 (the key covers the batch): the static inputs passed back with another
+    ``batch`` do not replay the entry; the call is checked like any other and refused."""
+    pb, p = problem(env, rng)
+    c = cfg()
+    r = runner(env)
+    r.forward(p, *pb.inputs, c, batch=pb.B, needs_backward=False)
+    st = r.static_inputs(needs_backward=False)
+    args = [st[name] for name in graphs.runner.INPUT_NAMES]
+    replays = r.stats["forward_replay"]
+    with pytest.raises(ValueError):
+        r.forward(p, *args, c, batch=pb.B + 1, needs_backward=False)
+    assert r.stats["forward_replay"] == replays
