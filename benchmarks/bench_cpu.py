@@ -187,6 +187,12 @@ def main():
         rs = sdm.forward(m, wi, a, v, beta, ri, c, cfg, needs_backward=True, inplace=True)
         sdm.backward(rs.saved, dr)
     t_nb_fb, ts_nb_fb = median_time(nb_fb, args.repeats, copy)
+    from sdm_cupy.kernels import cpu   # SPEC §3's chunked kernel for this float32 bank too
+    cpu.FORWARD = "chunked"
+    t_ch_f, ts_ch_f = median_time(lambda m: sdm.forward(m, wi, a, v, beta, ri, c, cfg,
+                                                  needs_backward=False, inplace=True),
+                            args.repeats, copy)
+    cpu.FORWARD = "auto"
     nthreads = numba.get_num_threads()
     numba.set_num_threads(1)                 # the same kernels on one core, like NumPy's
     t_nb1_f, ts_nb1_f = median_time(lambda m: sdm.forward(m, wi, a, v, beta, ri, c, cfg,
@@ -210,6 +216,7 @@ def main():
     nb = f"numba ({nthreads} threads)"
     rows = [
         ("forward", nb, t_nb_f, ts_nb_f, floor_f),
+        ("forward", f"numba chunked §3 ({nthreads} threads)", t_ch_f, ts_ch_f, floor_f),
         ("forward", "numba (1 thread)", t_nb1_f, ts_nb1_f, floor_f),
         ("forward", "numpy", t_np_f, ts_np_f, floor_f),
         ("forward+backward", nb, t_nb_fb, ts_nb_fb, floor_fb),

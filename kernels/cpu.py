@@ -107,6 +107,12 @@ __all__ = ["check_config", "sdm_fwd", "sdm_bwd", "expand_memory_batch", "sum_mem
 #: Chunks longer than this are split: the per-worker L×L overlap matrices stay small.
 CHUNK_CAP = 256
 
+#: Which forward kernel runs. "auto": 32/64-bit banks run the recurrence of SPEC §2 token by
+#: token (``sdm_fwd_seq_kernel``: faster on a CPU, see the module docstring), 16-bit banks the
+#: chunked form of §3 (``sdm_fwd_kernel``). "chunked": every bank dtype runs §3's chunked
+#: kernel. Both give the same results up to rounding and the same snapshots to the backward.
+FORWARD = "auto"
+
 _LOCK = threading.Lock()
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 _SNAP_VIEW = {"bf16": _BF16, "fp8_e4m3": np.dtype(ml_dtypes.float8_e4m3fn),
@@ -253,6 +259,9 @@ def sdm_fwd(lay, config, bank, write_idx, write_w, values, beta, read_idx, read_
     (rows [B, P, T, W, hd], scales [B, P, T, W] float32 or None): rows in the bank dtype
     (``snapshot_quant=None``), bfloat16, float8_e4m3fn codes or int8 codes.
     """
+    if FORWARD not in ("auto", "chunked"):
+        raise ValueError("sdm_cupy.kernels.cpu.FORWARD must be 'auto' or 'chunked', got "
+                         f"{FORWARD!r}")
     B, T, P, W, hd, S = lay.B, lay.T, lay.P, lay.W, lay.hd, lay.S
     cd = lay.compute_dtype
     bank_k, fmt = _storage(bank)
@@ -275,7 +284,7 @@ def sdm_fwd(lay, config, bank, write_idx, write_w, values, beta, read_idx, read_
     nat, u16, u8, sc = _snapshot_arrays(lay, bank_k, snapshots, mode)
     bad = np.zeros((B * P, 2), np.int64)
     with _LOCK:
-        if fmt == FMT_NATIVE:
+        if fmt == FMT_NATIVE and FORWARD == "auto":
             sdm_fwd_seq_kernel(bank_k, wi, a, v.reshape(B * T, lay.D), be, ri, c,
                                r.reshape(B * T, lay.D), S, P, hd, _chunk(lay), mode, nat, u16,
                                u8, sc, bad, _groups(B, P))

@@ -502,3 +502,44 @@ def test_spare_snapshot_memory_is_bounded_and_releasable(rng, spare, monkeypatch
     assert kept == [14, 15]
     assert cpu.release_spare_buffers() == (14 + 15) * pb.W * pb.hd * 4
     assert cpu._spare == {}
+
+
+# ---- the chunked forward of SPEC §3 for every dtype (kernels.cpu.FORWARD) -------------------
+def _not_called(*args):
+    raise AssertionError("the recurrence kernel ran although FORWARD = 'chunked'")
+
+
+@pytest.mark.parametrize("C", [1, 7, 64])
+def test_chunked_forward_for_32_and_64_bit_banks_matches_reference(rng, monkeypatch, C):
+    """``FORWARD = "chunked"`` runs §3's chunked kernel for float64 banks too (the default runs
+    the §2 recurrence there): readings, final bank and every gradient match the float64
+    reference to 1e-9, repeated slots and T not a multiple of C included, and the backward
+    rewinds the bank exactly."""
+    monkeypatch.setattr(cpu, "FORWARD", "chunked")
+    monkeypatch.setattr(cpu, "sdm_fwd_seq_kernel", _not_called)
+    pb = make_problem(rng, B=2, T=23, P=2, hd=6, S=9, W=4, repeat=True)
+    dr = rng.normal(size=pb.values.shape)
+    res = sdm.forward(*pb.args(), cfg_for(pb, C=C))
+    r_ref, fin_ref = reference_fwd(pb)
+    assert rel_err(res.readings, r_ref) < F64_RTOL
+    assert rel_err(res.bank, fin_ref) < F64_RTOL
+    g = sdm.backward(res.saved, dr)
+    for name, want in zip(("bank", "write_w", "values", "beta", "read_w"),
+                          reference_bwd(pb, dr, None)):
+        assert rel_err(getattr(g, name), want) < F64_RTOL, name
+    assert np.array_equal(res.bank, pb.bank)
+
+
+def test_chunked_and_recurrence_forwards_agree_in_float32(rng, monkeypatch):
+    """The two forward kernels of float32 banks agree to float32 rounding (readings, bank)."""
+    pb = make_problem(rng, B=2, T=130, P=3, hd=16, S=200, W=5, dtype=np.float32)
+    cfg = cfg_for(pb, C=64)
+    auto = sdm.forward(*pb.args(), cfg, needs_backward=False)
+    monkeypatch.setattr(cpu, "FORWARD", "chunked")
+    monkeypatch.setattr(cpu, "sdm_fwd_seq_kernel", _not_called)
+    chunked = sdm.forward(*pb.args(), cfg, needs_backward=False)
+    assert rel_err(chunked.readings, auto.readings) < 1e-5
+    assert rel_err(chunked.bank, auto.bank) < 1e-5
+    monkeypatch.setattr(cpu, "FORWARD", "token")
+    with pytest.raises(ValueError, match="FORWARD"):
+        sdm.forward(*pb.args(), cfg, needs_backward=False)
