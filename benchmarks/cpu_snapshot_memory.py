@@ -16,9 +16,11 @@ and prints the medians; ``NO_HUGEPAGE=1`` turns NumPy's huge-page advice off fir
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import time
 
+import numba
 import numpy as np
 
 import sdm_cupy as sdm
@@ -27,7 +29,6 @@ from sdm_cupy.kernels import cpu
 
 
 def main():
-    import os
     if os.environ.get("NO_HUGEPAGE"):
         np._core.multiarray._set_madvise_hugepage(False)
     ap = argparse.ArgumentParser()
@@ -66,7 +67,7 @@ def main():
         for k in kinds:
             times[k].append(call(k))
     print(f"B={B} T={2 * N} P={P} hd={hd} S={S} W={W} C={C}, float32, "
-          f"{numba_threads()} threads, snapshots {B * 2 * N * P * W * hd * 4 / 2 ** 20:.0f} MiB; "
+          f"{numba.get_num_threads()} threads, snapshots {B * 2 * N * P * W * hd * 4 / 2 ** 20:.0f} MiB; "
           f"medians of {args.repeats}")
     print("| forward | fwd ms | kernel-side (sys) ms in fwd | bwd ms |")
     print("| --- | ---: | ---: | ---: |")
@@ -76,11 +77,6 @@ def main():
     for k in kinds:
         f, s, b = (float(np.median([t[i] for t in times[k]])) * 1e3 for i in range(3))
         print(f"| {names[k]} | {f:.1f} | {s:.1f} | {'-' if k == 'none' else f'{b:.1f}'} |")
-
-
-def numba_threads():
-    import numba
-    return numba.get_num_threads()
 
 
 if __name__ == "__main__":

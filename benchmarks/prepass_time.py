@@ -14,6 +14,7 @@ import numpy as np
 
 import sdm_cupy as sdm
 from bench_gpu import make_inputs, timeit
+from sdm_cupy.kernels import _build as K
 from sdm_cupy.kernels import gpu
 
 
@@ -30,7 +31,6 @@ def main():
     pl = gpu.plan(lay, cfg)
     plb = gpu.plan(lay, cfg, backward=True)
     acc = np.dtype(np.float32)
-    from sdm_cupy.kernels import _build as K
     srt, ptr, col, val = gpu._bwd_scratch(lay, plb, acc)
     seg = plb.seg
 

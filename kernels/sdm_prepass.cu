@@ -313,13 +313,6 @@ sdm_prepass_kernel(const I* __restrict__ wi, const A* __restrict__ aw, const I* 
     }
     __syncthreads();
     if (!pass) {
-#ifdef SDM_PREPASS_SERIAL_SCAN
-      if (threadIdx.x == 0) {
-        rptr[0] = 0;
-        for (int r = 0; r < NSEC * C; ++r) rptr[r + 1] += rptr[r];
-      }
-      if (false)
-#endif
       if (warp == 0) {   // inclusive scan of the counts rptr[1..R]: a run of rows per lane
         const int R = NSEC * C, per = (R + 31) / 32, r0 = min(R, lane * per), r1 = min(R, r0 + per);
         int sum = 0;

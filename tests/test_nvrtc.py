@@ -20,10 +20,6 @@ from sdm_cupy.kernels import _build  # noqa: E402
 pytestmark = pytest.mark.nvrtc
 
 
-def _compile(src, text, opts, names, arch="sm_90"):
-    return _build.nvrtc_compile(src, text, opts, names, arch)
-
-
 def _per_source():
     merged = {}
     for src, text, opts, names in _build.module_specs():
@@ -53,7 +49,7 @@ def test_all_kernels_compile_for_sm90():
     specs.sort(key=lambda s: -len(s[3]) * (2 if s[0] == "bwd" else 1))
     workers = max(1, min(len(specs), os.cpu_count() or 1))
     with concurrent.futures.ProcessPoolExecutor(max_workers=workers) as pool:
-        futures = [(src, names, pool.submit(_compile, src, text, opts, names))
+        futures = [(src, names, pool.submit(_build.nvrtc_compile, src, text, opts, names))
                    for src, text, opts, names in specs]
         for src, names, fut in futures:
             log, lowered, cubin = fut.result()
@@ -68,7 +64,7 @@ def test_forward_compiles_for_sm75_without_cp_async():
     key = (_build.BFLOAT16, _build.BFLOAT16, _build.I32)
     for src, k in (("fwd", key), ("prepass", (_build.F32, _build.I32))):
         names = _build._names(src, k)
-        log, lowered, cubin = _compile(src, _build.source(src), _build.options(), names,
-                                       arch="sm_75")
+        log, lowered, cubin = _build.nvrtc_compile(src, _build.source(src), _build.options(),
+                                                   names, arch="sm_75")
         assert len(lowered) == len(names) and len(cubin) > 0
         assert "warning" not in log.lower(), log[:3000]
