@@ -22,12 +22,15 @@ def main():
     ap.add_argument("--time", action="store_true", help="print CUDA-event times instead")
     ap.add_argument("--decode", action="store_true",
                     help="time the decode-shaped call (T=1, B=64): device and host per call")
+    ap.add_argument("--threads", type=int, default=None, help="forward block size (gpu.THREADS)")
     ap.add_argument("--fuse-threads", type=int, default=None,
                     help="block size of the one-token forward (gpu.FUSE_THREADS)")
     args = ap.parse_args()
+    from sdm_cupy.kernels import gpu
     if args.fuse_threads:
-        from sdm_cupy.kernels import gpu
         gpu.FUSE_THREADS = args.fuse_threads
+    if args.threads:
+        gpu.THREADS = args.threads
     if args.decode:
         return decode()
     B, T, P, hd, S, W, C = 4, 4096, 8, 128, 16384, args.W, 64
@@ -36,7 +39,6 @@ def main():
     if args.time:
         import numpy as np
         from bench_gpu import timeit
-        from sdm_cupy.kernels import gpu
         lay = sdm._validate.layout(bank, wi, ww, v, beta, ri, rw, cfg)
         pl = gpu.plan(lay, cfg)
         t_pre = timeit(lambda: gpu._prepass_sparse(lay, pl, np.dtype(np.float32), wi, ww, ri,

@@ -29,6 +29,7 @@ constexpr int SB = 4;        // scatter tasks per thread whose loads are in flig
 #define SDM_FWD_GU 2
 #endif
 constexpr int GU = SDM_FWD_GU;  // entries per step of the gather's fast path
+constexpr int GR = 4;           // read rows per step when the write rows go through cp.async
 constexpr int E_STAGE = 512; // CSR entries of a chunk staged in shared memory (more: read from L2)
 constexpr int W_HEAD = 1 << 16, W_BAD = 1 << 17, W_NEXT = 0xFFFF;
 
@@ -73,6 +74,11 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
   const bool fast = false;
 #else
   const bool fast = vb && (vs || !save) && tw % N == 0;
+#endif
+#ifdef SDM_FWD_REG_GATHER   // benchmarks: write rows through registers too, for comparison
+  const bool rowcp = false;
+#else
+  const bool rowcp = fast && keep && Q <= 1;
 #endif
 
   extern __shared__ __align__(16) unsigned char smem[];
@@ -205,8 +211,110 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
     // gather (every write row once: X, the snapshot and the kept row; every read row once: Y).
     // WS threads share a (token, piece) and split its W entries, so that a block keeps many
     // independent 16-byte loads in flight; their partial sums meet through warp shuffles.
-    {
-      const int TP = L * NPC, total = TP * WS;
+    // With kept rows on the fast path (`rowcp`), every write row is copied into keep_s with
+    // cp.async first (all of them in flight at once, no registers held), the read rows are
+    // loaded into registers meanwhile, and X and the snapshots are then read from shared
+    // memory: same entries, same order, so the same bits as the register gather.
+    const int TP = L * NPC, total = TP * WS;
+    if (rowcp) {
+      for (int i = threadIdx.x; i < Ne * NPC; i += blockDim.x) {
+        const int e = divNPC.div(i), cc = (i - e * NPC) * N;
+        const I id = g.wid[e];
+        cp_async<16>(keep_s + (long long)e * TWP + cc,
+                     bank_b + (long long)(valid_id(id, S) ? id : 0) * D + cc);
+      }
+      cp_commit();
+      for (int base = 0; base < total; base += blockDim.x) {
+        const int task = base + threadIdx.x, ws = task % WS, tp = task / WS;
+        const bool act = task < total;
+        const int t = tp / NPC, cc = (tp % NPC) * N;
+        A y[N];
+#pragma unroll
+        for (int i = 0; i < N; ++i) y[i] = A(0);
+        if (act) {
+          int w = ws;
+          for (; w + (GR - 1) * WS < W; w += GR * WS) {
+            T mr[GR][N];
+            bool okr[GR];
+#pragma unroll
+            for (int j = 0; j < GR; ++j) {
+              const I jd = g.rid[t * W + w + j * WS];
+              okr[j] = valid_id(jd, S);
+              load_raw<N>(mr[j], bank_b + (long long)(okr[j] ? jd : 0) * D + cc, N, true);
+            }
+#pragma unroll
+            for (int j = 0; j < GR; ++j) {
+              const A c = g.cw[t * W + w + j * WS];
+#pragma unroll
+              for (int i = 0; i < N; ++i) y[i] = okr[j] ? fma_(c, to_acc(mr[j][i], A()), y[i]) : y[i];
+            }
+          }
+          for (; w < W; w += WS) {
+            const I jd = g.rid[t * W + w];
+            const bool okr = valid_id(jd, S);
+            T mr[N];
+            load_raw<N>(mr, bank_b + (long long)(okr ? jd : 0) * D + cc, N, true);
+            const A c = g.cw[t * W + w];
+#pragma unroll
+            for (int i = 0; i < N; ++i) y[i] = okr ? fma_(c, to_acc(mr[i], A()), y[i]) : y[i];
+          }
+        }
+        for (int o = 1; o < WS; o <<= 1) {
+#pragma unroll
+          for (int i = 0; i < N; ++i) y[i] = add_(y[i], __shfl_xor_sync(0xffffffffu, y[i], o));
+        }
+        if (act && ws == 0) {
+#pragma unroll
+          for (int i = 0; i < N; ++i) Y_s[t * TWP + cc + i] = y[i];
+        }
+      }
+      cp_wait<0>();
+      __syncthreads();
+      for (int base = 0; base < total; base += blockDim.x) {
+        const int task = base + threadIdx.x, ws = task % WS, tp = task / WS;
+        const bool act = task < total;
+        const int t = tp / NPC, cc = (tp % NPC) * N;
+        const long long tok = tokb + (long long)t * P;
+        A x[N];
+#pragma unroll
+        for (int i = 0; i < N; ++i) x[i] = A(0);
+        if (act) {
+          for (int w = ws; w < W; w += WS) {
+            const int e = t * W + w;
+            const bool ok = valid_id(g.wid[e], S);
+            const A a = g.aw[e];
+            T m[N];
+            load_raw<N>(m, keep_s + (long long)e * TWP + cc, N, true);
+#pragma unroll
+            for (int i = 0; i < N; ++i) {
+              m[i] = ok ? m[i] : From<T>::cvt(0.0f);
+              x[i] = ok ? fma_(a, to_acc(m[i], A()), x[i]) : x[i];
+            }
+            if (save) {
+              const long long off = tok * W + w;
+              if constexpr (Q == 0) {
+                store_raw<N>(snap + off * hd + c0 + cc, m, N, true);
+              } else if constexpr (Q == 1) {
+                A mv[N];
+#pragma unroll
+                for (int i = 0; i < N; ++i) mv[i] = to_acc(m[i], A());
+                store_piece<N>(snap + off * hd + c0 + cc, mv, N, true);
+              }
+            }
+          }
+        }
+        for (int o = 1; o < WS; o <<= 1) {
+#pragma unroll
+          for (int i = 0; i < N; ++i) x[i] = add_(x[i], __shfl_xor_sync(0xffffffffu, x[i], o));
+        }
+        if (act && ws == 0) {   // w0 = beta (v - X)
+          const A bt = g.beta[t];
+#pragma unroll
+          for (int i = 0; i < N; ++i)
+            X_s[t * TWP + cc + i] = mul_(bt, sub_(to_acc(g.val[t * TVP + cc + i], A()), x[i]));
+        }
+      }
+    } else {
       for (int base = 0; base < total; base += blockDim.x) {
         const int task = base + threadIdx.x, ws = task % WS, tp = task / WS;
         const bool act = task < total;
@@ -374,58 +482,52 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
       store_piece<N>(out + ((long long)b * T_ + t0 + t) * D + p * hd + c0 + cc, r, nv, vo);
     }
     // scatter: the entry heading each written slot rewrites the row once, adding its run's
-    // a u in ascending entry order. With kept rows a task reads shared memory only; without,
-    // a thread takes SB tasks at a time and issues their row loads before any store (distinct
-    // rows: no alias).
-    auto add_run = [&](A (&m)[N], int e, int cc) {
-      for (int q = e;;) {
-        const A a2 = g.aw[q];
-        const int t2 = divW.div(q);
+    // a u in ascending entry order. A thread takes SB tasks at a time: their rows (kept in
+    // shared memory, or re-read from the bank: distinct rows, no alias) and the head's own
+    // term are loaded and added for all SB before the rarer run walks and the stores.
+    for (int base = threadIdx.x; base < Ne * NPC; base += SB * blockDim.x) {
+      A m[SB][N];
+      int es[SB], ccs[SB], nxt[SB];
 #pragma unroll
-        for (int i = 0; i < N; ++i) m[i] = fma_(a2, U_s[t2 * TWP + cc + i], m[i]);
-        const int nx = g.wrun[q] & W_NEXT;
-        if (nx == 0) break;
-        q = nx - 1;
-      }
-    };
-    if (keep) {
-      for (int task = threadIdx.x; task < Ne * NPC; task += blockDim.x) {
-        const int e = divNPC.div(task);
-        if ((g.wrun[e] & (W_HEAD | W_BAD)) != W_HEAD) continue;
-        const int cc = (task - e * NPC) * N;
-        T kr[N];
-        load_raw<N>(kr, keep_s + (long long)e * TWP + cc, N, true);
-        A m[N];
+      for (int j = 0; j < SB; ++j) {
+        const int task = base + j * blockDim.x;
+        es[j] = -1;
+        if (task < Ne * NPC) {
+          const int e = divNPC.div(task);
+          const int code = g.wrun[e];
+          if ((code & (W_HEAD | W_BAD)) == W_HEAD) {
+            const int cc = (task - e * NPC) * N;
+            es[j] = e;
+            ccs[j] = cc;
+            nxt[j] = code & W_NEXT;
+            if (keep) {
+              T kr[N];
+              load_raw<N>(kr, keep_s + (long long)e * TWP + cc, N, true);
 #pragma unroll
-        for (int i = 0; i < N; ++i) m[i] = to_acc(kr[i], A());
-        add_run(m, e, cc);
-        store_piece<N>(bank_b + (long long)g.wid[e] * D + cc, m, min(N, tw - cc), vb);
-      }
-    } else {
-      for (int base = threadIdx.x; base < Ne * NPC; base += SB * blockDim.x) {
-        A m[SB][N];
-        T* row[SB];
-        int es[SB], ccs[SB];
-#pragma unroll
-        for (int j = 0; j < SB; ++j) {
-          const int task = base + j * blockDim.x;
-          es[j] = -1;
-          if (task < Ne * NPC) {
-            const int e = divNPC.div(task);
-            if ((g.wrun[e] & (W_HEAD | W_BAD)) == W_HEAD) {
-              es[j] = e;
-              ccs[j] = (task - e * NPC) * N;
-              row[j] = bank_b + (long long)g.wid[e] * D + ccs[j];
-              load_piece<N>(m[j], row[j], min(N, tw - ccs[j]), vb);
+              for (int i = 0; i < N; ++i) m[j][i] = to_acc(kr[i], A());
+            } else {
+              load_piece<N>(m[j], bank_b + (long long)g.wid[e] * D + cc, min(N, tw - cc), vb);
             }
+            const A a2 = g.aw[e];
+            const int t2 = divW.div(e);
+#pragma unroll
+            for (int i = 0; i < N; ++i) m[j][i] = fma_(a2, U_s[t2 * TWP + cc + i], m[j][i]);
           }
         }
+      }
 #pragma unroll
-        for (int j = 0; j < SB; ++j) {
-          if (es[j] < 0) continue;
-          add_run(m[j], es[j], ccs[j]);
-          store_piece<N>(row[j], m[j], min(N, tw - ccs[j]), vb);
+      for (int j = 0; j < SB; ++j) {
+        if (es[j] < 0) continue;
+        const int cc = ccs[j];
+        for (int nx = nxt[j]; nx != 0;) {   // the slot's later write entries (ascending)
+          const int q = nx - 1;
+          const A a2 = g.aw[q];
+          const int t2 = divW.div(q);
+#pragma unroll
+          for (int i = 0; i < N; ++i) m[j][i] = fma_(a2, U_s[t2 * TWP + cc + i], m[j][i]);
+          nx = g.wrun[q] & W_NEXT;
         }
+        store_piece<N>(bank_b + (long long)g.wid[es[j]] * D + cc, m[j], min(N, tw - cc), vb);
       }
     }
     __syncthreads();

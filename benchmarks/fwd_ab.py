@@ -1,0 +1,85 @@
+"""Interleaved A/B timing of forward-kernel variants in one process (headline shape).
+
+Each variant is a copy of ``kernels/sdm_fwd.cu`` (a file) with optional extra NVRTC options;
+all are compiled up front, then one forward of each runs in turn, rep after rep, so that clock
+and neighbour drift hit every variant alike. Prints the median and quartiles per variant.
+
+    python3 benchmarks/fwd_ab.py LABEL=FILE[:OPTIONS] ... [--reps 40] [--threads 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+import cupy as cp
+
+import sdm_cupy as sdm
+from bench_gpu import make_inputs
+from sdm_cupy.kernels import _build as K
+from sdm_cupy.kernels import gpu
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("variants", nargs="+")
+    ap.add_argument("--reps", type=int, default=40)
+    ap.add_argument("--threads", type=int, default=256)
+    ap.add_argument("--W", type=int, default=16)
+    ap.add_argument("--no-snapshots", action="store_true")
+    args = ap.parse_args()
+    gpu.THREADS = args.threads
+    B, T, P, hd, S, C = 4, 4096, 8, 128, 16384, 64
+    bank, wi, ww, v, beta, ri, rw, _ = make_inputs(B, T, P, hd, S, args.W)
+    cfg = sdm.SDMConfig(num_memory_slots=S, num_parallel=P, chunk_size=C)
+    source, options = K.source, K.options
+    variants = []
+    for spec in args.variants:
+        label, rest = spec.split("=", 1)
+        path, _, opts = rest.partition(":")
+        text = open(path).read()
+        variants.append((label, text, tuple(opts.split()), {}))
+
+    def select(var):
+        _, text, opts, mods = var
+        K.source = (lambda name, t=text: K_inline(t) if name == "fwd" else source(name))
+        K.options = lambda o=opts: options() + o
+        K._modules = mods
+
+    def K_inline(text):
+        with open(K.os.path.join(K._HERE, K._HEADER)) as f:
+            header = f.read().replace("#pragma once\n", "")
+        return text.replace(f'#include "{K._HEADER}"', header)
+
+    def call():
+        sdm.forward(bank, wi, ww, v, beta, ri, rw, cfg, inplace=True, check_indices=False,
+                    needs_backward=not args.no_snapshots)
+
+    for var in variants:   # compile and warm each
+        select(var)
+        call()
+        call()
+    cp.cuda.Device().synchronize()
+    times = {var[0]: [] for var in variants}
+    for _ in range(args.reps):
+        for var in variants:
+            select(var)
+            a, b = cp.cuda.Event(), cp.cuda.Event()
+            a.record()
+            call()
+            b.record()
+            b.synchronize()
+            times[var[0]].append(cp.cuda.get_elapsed_time(a, b))
+    sdm.check_device_errors()
+    print(f"forward{'' if args.no_snapshots else ' with snapshots'}, W={args.W}, "
+          f"threads={args.threads}, {args.reps} interleaved reps (ms):")
+    print("| variant | median | q25 | q75 |")
+    print("| --- | ---: | ---: | ---: |")
+    for label, ts in times.items():
+        q25, q50, q75 = np.percentile(ts, [25, 50, 75])
+        print(f"| {label} | {q50:.3f} | {q25:.3f} | {q75:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
