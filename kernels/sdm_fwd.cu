@@ -482,52 +482,58 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
       store_piece<N>(out + ((long long)b * T_ + t0 + t) * D + p * hd + c0 + cc, r, nv, vo);
     }
     // scatter: the entry heading each written slot rewrites the row once, adding its run's
-    // a u in ascending entry order. A thread takes SB tasks at a time: their rows (kept in
-    // shared memory, or re-read from the bank: distinct rows, no alias) and the head's own
-    // term are loaded and added for all SB before the rarer run walks and the stores.
-    for (int base = threadIdx.x; base < Ne * NPC; base += SB * blockDim.x) {
-      A m[SB][N];
-      int es[SB], ccs[SB], nxt[SB];
+    // a u in ascending entry order. With kept rows a task reads shared memory only; without,
+    // a thread takes SB tasks at a time and issues their row loads before any store (distinct
+    // rows: no alias).
+    auto add_run = [&](A (&m)[N], int e, int cc) {
+      for (int q = e;;) {
+        const A a2 = g.aw[q];
+        const int t2 = divW.div(q);
 #pragma unroll
-      for (int j = 0; j < SB; ++j) {
-        const int task = base + j * blockDim.x;
-        es[j] = -1;
-        if (task < Ne * NPC) {
-          const int e = divNPC.div(task);
-          const int code = g.wrun[e];
-          if ((code & (W_HEAD | W_BAD)) == W_HEAD) {
-            const int cc = (task - e * NPC) * N;
-            es[j] = e;
-            ccs[j] = cc;
-            nxt[j] = code & W_NEXT;
-            if (keep) {
-              T kr[N];
-              load_raw<N>(kr, keep_s + (long long)e * TWP + cc, N, true);
+        for (int i = 0; i < N; ++i) m[i] = fma_(a2, U_s[t2 * TWP + cc + i], m[i]);
+        const int nx = g.wrun[q] & W_NEXT;
+        if (nx == 0) break;
+        q = nx - 1;
+      }
+    };
+    if (keep) {
+      for (int task = threadIdx.x; task < Ne * NPC; task += blockDim.x) {
+        const int e = divNPC.div(task);
+        if ((g.wrun[e] & (W_HEAD | W_BAD)) != W_HEAD) continue;
+        const int cc = (task - e * NPC) * N;
+        T kr[N];
+        load_raw<N>(kr, keep_s + (long long)e * TWP + cc, N, true);
+        A m[N];
 #pragma unroll
-              for (int i = 0; i < N; ++i) m[j][i] = to_acc(kr[i], A());
-            } else {
-              load_piece<N>(m[j], bank_b + (long long)g.wid[e] * D + cc, min(N, tw - cc), vb);
+        for (int i = 0; i < N; ++i) m[i] = to_acc(kr[i], A());
+        add_run(m, e, cc);
+        store_piece<N>(bank_b + (long long)g.wid[e] * D + cc, m, min(N, tw - cc), vb);
+      }
+    } else {
+      for (int base = threadIdx.x; base < Ne * NPC; base += SB * blockDim.x) {
+        A m[SB][N];
+        T* row[SB];
+        int es[SB], ccs[SB];
+#pragma unroll
+        for (int j = 0; j < SB; ++j) {
+          const int task = base + j * blockDim.x;
+          es[j] = -1;
+          if (task < Ne * NPC) {
+            const int e = divNPC.div(task);
+            if ((g.wrun[e] & (W_HEAD | W_BAD)) == W_HEAD) {
+              es[j] = e;
+              ccs[j] = (task - e * NPC) * N;
+              row[j] = bank_b + (long long)g.wid[e] * D + ccs[j];
+              load_piece<N>(m[j], row[j], min(N, tw - ccs[j]), vb);
             }
-            const A a2 = g.aw[e];
-            const int t2 = divW.div(e);
-#pragma unroll
-            for (int i = 0; i < N; ++i) m[j][i] = fma_(a2, U_s[t2 * TWP + cc + i], m[j][i]);
           }
         }
-      }
 #pragma unroll
-      for (int j = 0; j < SB; ++j) {
-        if (es[j] < 0) continue;
-        const int cc = ccs[j];
-        for (int nx = nxt[j]; nx != 0;) {   // the slot's later write entries (ascending)
-          const int q = nx - 1;
-          const A a2 = g.aw[q];
-          const int t2 = divW.div(q);
-#pragma unroll
-          for (int i = 0; i < N; ++i) m[j][i] = fma_(a2, U_s[t2 * TWP + cc + i], m[j][i]);
-          nx = g.wrun[q] & W_NEXT;
+        for (int j = 0; j < SB; ++j) {
+          if (es[j] < 0) continue;
+          add_run(m[j], es[j], ccs[j]);
+          store_piece<N>(row[j], m[j], min(N, tw - ccs[j]), vb);
         }
-        store_piece<N>(bank_b + (long long)g.wid[es[j]] * D + cc, m[j], min(N, tw - cc), vb);
       }
     }
     __syncthreads();
