@@ -1,10 +1,12 @@
-"""Interleaved A/B timing of forward-kernel variants in one process (headline shape).
+"""Interleaved A/B timing of kernel variants in one process (the headline forward).
 
-Each variant is a copy of ``kernels/sdm_fwd.cu`` (a file) with optional extra NVRTC options;
-all are compiled up front, then one forward of each runs in turn, rep after rep, so that clock
-and neighbour drift hit every variant alike. Prints the median and quartiles per variant.
+Each variant replaces one source of ``kernels/`` (``fwd`` unless ``--source`` names another,
+e.g. ``prepass``) by a file, with optional extra NVRTC options; all are compiled up front, then
+one forward of each runs in turn, rep after rep, so that clock and neighbour drift hit every
+variant alike (separate processes differed by up to 8% on one lease). Prints the median and
+quartiles per variant.
 
-    python3 benchmarks/fwd_ab.py LABEL=FILE[:OPTIONS] ... [--reps 40] [--threads 256]
+    python3 benchmarks/fwd_ab.py LABEL=FILE[:OPTIONS] ... [--source fwd] [--reps 40] [--threads 256]
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ def main():
     ap.add_argument("--threads", type=int, default=256)
     ap.add_argument("--W", type=int, default=16)
     ap.add_argument("--no-snapshots", action="store_true")
+    ap.add_argument("--source", default="fwd", choices=sorted(K.SOURCES))
+    ap.add_argument("--backward", action="store_true", help="time forward + backward")
     args = ap.parse_args()
     gpu.THREADS = args.threads
     B, T, P, hd, S, C = 4, 4096, 8, 128, 16384, 64
-    bank, wi, ww, v, beta, ri, rw, _ = make_inputs(B, T, P, hd, S, args.W)
+    bank, wi, ww, v, beta, ri, rw, dr = make_inputs(B, T, P, hd, S, args.W)
     cfg = sdm.SDMConfig(num_memory_slots=S, num_parallel=P, chunk_size=C)
     source, options = K.source, K.options
     variants = []
@@ -43,7 +47,7 @@ def main():
 
     def select(var):
         _, text, opts, mods = var
-        K.source = (lambda name, t=text: K_inline(t) if name == "fwd" else source(name))
+        K.source = (lambda name, t=text: K_inline(t) if name == args.source else source(name))
         K.options = lambda o=opts: options() + o
         K._modules = mods
 
@@ -53,8 +57,10 @@ def main():
         return text.replace(f'#include "{K._HEADER}"', header)
 
     def call():
-        sdm.forward(bank, wi, ww, v, beta, ri, rw, cfg, inplace=True, check_indices=False,
-                    needs_backward=not args.no_snapshots)
+        res = sdm.forward(bank, wi, ww, v, beta, ri, rw, cfg, inplace=True, check_indices=False,
+                          needs_backward=args.backward or not args.no_snapshots)
+        if args.backward:   # rewinds the bank: every rep sees the same one
+            sdm.backward(res.saved, dr)
 
     for var in variants:   # compile and warm each
         select(var)
@@ -72,8 +78,10 @@ def main():
             b.synchronize()
             times[var[0]].append(cp.cuda.get_elapsed_time(a, b))
     sdm.check_device_errors()
-    print(f"forward{'' if args.no_snapshots else ' with snapshots'}, W={args.W}, "
-          f"threads={args.threads}, {args.reps} interleaved reps (ms):")
+    what = ("forward+backward" if args.backward else
+            "forward" + ("" if args.no_snapshots else " with snapshots"))
+    print(f"{what}, W={args.W}, "
+          f"threads={args.threads}, variants of {args.source}, {args.reps} interleaved reps (ms):")
     print("| variant | median | q25 | q75 |")
     print("| --- | ---: | ---: | ---: |")
     for label, ts in times.items():
