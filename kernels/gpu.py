@@ -153,8 +153,9 @@ def _smem(C, W, TW, N, acc_size, quant, idx_size=4, val_size=4, bank_size=4):
     m2 = 1
     while m2 < 2 * C * W:
         m2 <<= 1
-    pre = (m2 * 8 + (3 * C * ld + 2 * C * W + C) * acc_size
-           + (2 * C * W + C + 4 * C + 1 + C + 1) * 4 + C * C)
+    dead = m2 * 8 + 2 * C * W * (acc_size + 4)   # the pre-pass's Ai reuses it when it fits
+    ai = 0 if C * ld * acc_size + 16 * C <= dead else C * ld * acc_size
+    pre = dead + 4 * C * 8 + 2 * C * ld * acc_size + ai
     cw = C * W
     stage = (2 * _r16(cw * acc_size) + _r16(C * acc_size) + _r16(E_STAGE * acc_size)
              + 2 * _r16(cw * idx_size) + _r16(C * tvp * val_size) + _r16((2 * C + 1) * 4)

@@ -150,26 +150,6 @@ __device__ __forceinline__ void flag_error(volatile int* err, int code) {
 __device__ __forceinline__ void atomic_add(float* p, float v) { atomicAdd(p, v); }
 __device__ __forceinline__ void atomic_add(double* p, double v) { atomicAdd(p, v); }
 
-// Builds, for a dense L x L matrix in shared memory (row stride ld), the list of the non-zero
-// columns of each row (by_col = false) or the non-zero rows of each column (by_col = true):
-// idx[r * C + k], k < cnt[r]. One warp per row, two ballots per row (C <= 64).
-template <typename A>
-__device__ void build_lists(const A* M, int ld, int L, int C, unsigned char* idx, int* cnt,
-                            bool by_col) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarp = blockDim.x >> 5;
-  for (int r = warp; r < L; r += nwarp) {
-    int base = 0;
-    for (int h = 0; h < C; h += 32) {
-      int k = h + lane;
-      A v = (k < L) ? (by_col ? M[k * ld + r] : M[r * ld + k]) : A(0);
-      unsigned nz = __ballot_sync(0xffffffffu, v != A(0));
-      if (v != A(0)) idx[r * C + base + __popc(nz & ((1u << lane) - 1u))] = (unsigned char)k;
-      base += __popc(nz);
-    }
-    if (lane == 0) cnt[r] = base;
-  }
-}
-
 // ---- asynchronous global -> shared copies (sm_80+; a plain copy before) -------------------
 template <int BYTES>
 __device__ __forceinline__ void cp_async(void* dst, const void* src) {

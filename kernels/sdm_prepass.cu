@@ -125,21 +125,25 @@ sdm_prepass_kernel(const I* __restrict__ wi, const A* __restrict__ aw, const I* 
 
   extern __shared__ __align__(16) unsigned char smem[];
   unsigned long long* keys = reinterpret_cast<unsigned long long*>(smem);
-  // layout: keys[M2max] | Gs, Hs, Ai [C * ld] | wq[2CW] | beta[C] | pos[2CW] | lcnt[C] | rptr[4C + 1]
-  //         | nzr[C + 1] | lidx[C * C] (u8). The forward's form keeps its read slots in the
-  //         upper half of keys (M2 <= M2max / 2 there).
+  // layout: keys[M2max] | wq[2CW] | pos[2CW] | rm[4C] | Gs, Hs [C * ld] | Ai [C * ld]. The
+  //         forward's form keeps its read slots in the upper half of keys (M2 <= M2max / 2
+  //         there). keys, wq and pos are dead after step 4: Ai (first written in step 5) and
+  //         step 6's row offsets rend[4C] go there when they fit (kernels/gpu.py _smem
+  //         mirrors the test), else Ai after Hs and rend in keys (M2max >= 2C).
+  // rm[r]: bit k set iff entry k of CSR row r is non-zero (r < NSEC * C; rows past L stay 0),
+  //         and rm[3C + t] that of row t of G in both forms. The dense matrices are never
+  //         zeroed: every read of them goes through a mask or a row that was written.
   int M2max = 1;
   while (M2max < 2 * C * W) M2max <<= 1;
-  A* Gs = reinterpret_cast<A*>(keys + M2max);
+  A* wq_s = reinterpret_cast<A*>(keys + M2max);   // the chunk's write weights, then its reads'
+  int* pos = reinterpret_cast<int*>(wq_s + 2 * C * W);
+  unsigned long long* rm = reinterpret_cast<unsigned long long*>(pos + 2 * C * W);
+  unsigned* rm32 = reinterpret_cast<unsigned*>(rm);   // word 2r + h: columns 32h .. 32h + 31
+  A* Gs = reinterpret_cast<A*>(rm + 4 * C);
   A* Hs = Gs + C * ld;
-  A* Ai = Hs + C * ld;
-  A* wq_s = Ai + C * ld;            // the chunk's write weights, then its read weights
-  A* bet_s = wq_s + 2 * C * W;      // the chunk's beta
-  int* pos = reinterpret_cast<int*>(bet_s + C);
-  int* lcnt = pos + 2 * C * W;
-  int* rptr = lcnt + C;
-  int* nzr = rptr + 4 * C + 1;      // rows of G with entries, ascending; nzr[C] = their count
-  unsigned char* lidx = reinterpret_cast<unsigned char*>(nzr + C + 1);
+  const bool ai_dead = C * ld * (int)sizeof(A) + 16 * C <= M2max * 8 + 2 * C * W * ((int)sizeof(A) + 4);
+  A* Ai = ai_dead ? reinterpret_cast<A*>(keys) : Hs + C * ld;
+  int* rend = ai_dead ? reinterpret_cast<int*>(Ai + C * ld) : reinterpret_cast<int*>(keys);
   unsigned long long* rslot = keys + M2max / 2;
 
   const long long tok0 = ((long long)b * T + t0) * P + p;   // (b, t0, p) row of [B, T, P, W]
@@ -163,8 +167,7 @@ sdm_prepass_kernel(const I* __restrict__ wi, const A* __restrict__ aw, const I* 
     }
     if (i < M2) keys[i] = i < NS ? key : ~0ull;
   }
-  for (int i = threadIdx.x; i < C * ld; i += blockDim.x) { Gs[i] = A(0); Hs[i] = A(0); Ai[i] = A(0); }
-  for (int t = threadIdx.x; t < L; t += blockDim.x) bet_s[t] = beta[((long long)b * T + t0 + t) * P + p];
+  for (int i = threadIdx.x; i < 4 * C; i += blockDim.x) rm[i] = 0ull;
   __syncthreads();
   // 2. bitonic sort of M2 keys (ascending)
   sort_keys(keys, M2);
@@ -219,10 +222,13 @@ sdm_prepass_kernel(const I* __restrict__ wi, const A* __restrict__ aw, const I* 
   }
   __syncthreads();
   // 4. G rows (threads 0..L-1) and H rows (threads L..2L-1): walk back through the run of each
-  //    of the token's entries. Writes sort before reads within a slot, in token order.
+  //    of the token's entries. Writes sort before reads within a slot, in token order. An
+  //    entry's first term is added to +0 (as to a zeroed row), later ones to the sum so far.
   for (int task = threadIdx.x; task < 2 * L; task += blockDim.x) {
     const bool isH = task >= L;
     const int t = isH ? task - L : task;
+    A* row = (isH ? Hs : Gs) + t * ld;
+    unsigned long long seen = 0;   // the row's entries written so far
     for (int w = 0; w < W; ++w) {
       const int q = (isH ? N : 0) + t * W + w;
       if (SPARSE == 1 && isH) {   // walk the read's run of writes back (same order as below)
@@ -232,7 +238,9 @@ sdm_prepass_kernel(const I* __restrict__ wi, const A* __restrict__ aw, const I* 
           const int q2 = (int)(keys[p2] & QMASK);
           const int tau = q2 / W;
           if (tau > t) continue;
-          Hs[t * ld + tau] += wq * wq_s[q2];
+          const unsigned long long bit = 1ull << tau;
+          row[tau] = ((seen & bit) ? row[tau] : A(0)) + wq * wq_s[q2];
+          seen |= bit;
         }
         continue;
       }
@@ -245,90 +253,100 @@ sdm_prepass_kernel(const I* __restrict__ wi, const A* __restrict__ aw, const I* 
         if (q2 >= N) continue;                       // a read entry (only before reads)
         const int tau = q2 / W;
         if (isH ? tau > t : tau >= t) continue;
-        (isH ? Hs : Gs)[t * ld + tau] += wq * wq_s[q2];
+        const unsigned long long bit = 1ull << tau;
+        row[tau] = ((seen & bit) ? row[tau] : A(0)) + wq * wq_s[q2];
+        seen |= bit;
+      }
+    }
+    unsigned long long nz = 0;   // sums that cancel to exactly 0 have no CSR entry
+    for (unsigned long long m = seen; m; m &= m - 1) {
+      const int k = __ffsll((long long)m) - 1;
+      if (row[k] != A(0)) nz |= 1ull << k;
+    }
+    if (!isH) {
+      rm[3 * C + t] = nz;
+    } else if (SPARSE == 1) {
+      rm[C + t] = nz;
+    } else {   // the backward's H section is by columns: bit t of column k's mask
+      for (unsigned long long m = nz; m; m &= m - 1) {
+        const int k = __ffsll((long long)m) - 1;
+        atomicOr(rm32 + 2 * (C + k) + (t >> 5), 1u << (t & 31));
       }
     }
   }
   __syncthreads();
-  // 5. Ainv by forward substitution on the sparse rows of diag(beta) G, one column per thread
-  //    (rows of G without entries leave their row of Ainv at the identity's: only the others
-  //    are visited)
-  build_lists(Gs, ld, L, C, lidx, lcnt, false);
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    const int lane = threadIdx.x;
-    int base = 0;
-    for (int h = 0; h < C; h += 32) {
-      const int r = h + lane;
-      const bool nz = r < L && lcnt[r] > 0;
-      const unsigned m = __ballot_sync(0xffffffffu, nz);
-      if (nz) nzr[base + __popc(m & ((1u << lane) - 1u))] = r;
-      base += __popc(m);
-    }
-    if (lane == 0) nzr[C] = base;
-  }
-  __syncthreads();
-  for (int j = threadIdx.x; j < L; j += blockDim.x) {
-    Ai[j * ld + j] = A(1);
-    for (int kr = 0, nr = nzr[C]; kr < nr; ++kr) {
-      const int t = nzr[kr];
-      if (t <= j) continue;
+  // 5. Ainv by forward substitution on the sparse rows of diag(beta) G, one column j per thread
+  //    of warps 0 and 1 (rows of G without entries leave their row of Ainv at the identity's:
+  //    only the others are visited, in ascending order, so every Ai[tau][j] read below was
+  //    written before; the identity's zeros are selected, not stored). Each row's non-zero
+  //    entries go to the masks: rows by ballot (section 0), columns per thread (section 2).
+  //    The chunk's beta stays in registers, beta[t] in lane t % 32.
+  if (threadIdx.x < (L > 32 ? 64 : 32)) {
+    const int j = threadIdx.x, lane = j & 31;
+    const long long bt0 = ((long long)b * T + t0) * P + p;
+    const A bet_lo = lane < L ? beta[bt0 + (long long)lane * P] : A(0);
+    const A bet_hi = lane + 32 < L ? beta[bt0 + (long long)(lane + 32) * P] : A(0);
+    const unsigned long long gz =   // rows of G with entries
+        (unsigned long long)__ballot_sync(0xffffffffu, lane < L && rm[3 * C + lane] != 0ull) |
+        (unsigned long long)__ballot_sync(0xffffffffu, lane + 32 < L && rm[3 * C + 32 + lane] != 0ull) << 32;
+    if (j < L) Ai[j * ld + j] = A(1);
+    unsigned long long col = 0;   // rows t > j with Ai[t][j] != 0
+    for (unsigned long long rows = gz; rows; rows &= rows - 1) {
+      const int t = __ffsll((long long)rows) - 1;
+      const bool on = j < t;
       A s = A(0);
-      for (int k = 0; k < lcnt[t]; ++k) {
-        const int tau = lidx[t * C + k];
-        if (tau >= j) s += Gs[t * ld + tau] * Ai[tau * ld + j];
+      for (unsigned long long m = rm[3 * C + t]; m; m &= m - 1) {
+        const int tau = __ffsll((long long)m) - 1;
+        if (on && tau >= j)
+          s += Gs[t * ld + tau] * (tau == j || (gz >> tau & 1ull) ? Ai[tau * ld + j] : A(0));
       }
-      Ai[t * ld + j] = -bet_s[t] * s;
+      const A v = -__shfl_sync(0xffffffffu, t < 32 ? bet_lo : bet_hi, t & 31) * s;
+      if (on) Ai[t * ld + j] = v;
+      const bool nz = on && v != A(0);
+      const unsigned word = __ballot_sync(0xffffffffu, nz);
+      if (lane == 0) rm32[2 * t + (j >> 5)] = word;
+      if (nz) col |= 1ull << t;
     }
+    if (SPARSE == 2 && j < L) rm[2 * C + j] = col;
   }
   __syncthreads();
   const long long mo = (long long)blk * (SPARSE == 1 ? 1 : 2) * C * C;
-  // 6. CSR rows, section by section (the header lists them). One warp per row; counts, an
-  //    exclusive scan, then the entries (columns ascending).
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarp = blockDim.x >> 5;
-  for (int pass = 0; pass < 2; ++pass) {
-    for (int r = warp; r < NSEC * C; r += nwarp) {
-      const int sec = r / C, row = r - sec * C;
-      // sections: 0 Ainv rows (k < row); SPARSE 1: 1 H rows (k <= row); SPARSE 2: 1 H columns
-      // (k >= row), 2 Ainv columns (k > row), 3 G rows (k < row)
-      const A* M = sec == 0 || sec == 2 ? Ai : sec == 1 ? Hs : Gs;
-      const bool tr = SPARSE == 2 && (sec == 1 || sec == 2);
-      int base = pass ? rptr[r] : 0;
-      if (row < L) {
-        for (int h = 0; h < C; h += 32) {
-          const int k = h + lane;
-          const bool in = k < L && (sec == 0 || sec == 3 ? k < row
-                                    : SPARSE == 1 ? k <= row : sec == 1 ? k >= row : k > row);
-          const A v = in ? (tr ? M[k * ld + row] : M[row * ld + k]) : A(0);
-          const unsigned nz = __ballot_sync(0xffffffffu, v != A(0));
-          if (pass && v != A(0)) {
-            const int at = base + __popc(nz & ((1u << lane) - 1u));
-            sp_col[(long long)blk * CS + at] = (unsigned char)k;
-            sp_val[mo + at] = v;
-          }
-          base += __popc(nz);
-        }
-      }
-      if (!pass && lane == 0) rptr[r + 1] = base;   // the row's count, scanned below
+  // 6. CSR rows, section by section (the header lists them), from the masks: warp 0 scans the
+  //    rows' counts into their end offsets, then one thread per half row writes its entries
+  //    (columns ascending).
+  const int R = NSEC * C, lane = threadIdx.x & 31;
+  if (threadIdx.x < 32) {   // inclusive scan of the counts: a run of rows per lane
+    const int per = (R + 31) / 32, r0 = min(R, lane * per), r1 = min(R, r0 + per);
+    int sum = 0;
+    for (int r = r0; r < r1; ++r) sum += __popcll(rm[r]);
+    int incl = sum;
+    for (int o = 1; o < 32; o <<= 1) {
+      const int x = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += x;
     }
-    __syncthreads();
-    if (!pass) {
-      if (warp == 0) {   // inclusive scan of the counts rptr[1..R]: a run of rows per lane
-        const int R = NSEC * C, per = (R + 31) / 32, r0 = min(R, lane * per), r1 = min(R, r0 + per);
-        int sum = 0;
-        for (int r = r0; r < r1; ++r) sum += rptr[r + 1];
-        int incl = sum;
-        for (int o = 1; o < 32; o <<= 1) {
-          const int x = __shfl_up_sync(0xffffffffu, incl, o);
-          if (lane >= o) incl += x;
-        }
-        int run = incl - sum;
-        for (int r = r0; r < r1; ++r) { run += rptr[r + 1]; rptr[r + 1] = run; }
-        if (lane == 0) rptr[0] = 0;
-      }
-      __syncthreads();
-      for (int r = threadIdx.x; r <= NSEC * C; r += blockDim.x)
-        sp_ptr[(long long)blk * (NSEC * C + 1) + r] = rptr[r];
+    int run = incl - sum;
+    for (int r = r0; r < r1; ++r) { run += __popcll(rm[r]); rend[r] = run; }
+  }
+  __syncthreads();
+  for (int r = threadIdx.x; r <= R; r += blockDim.x)
+    sp_ptr[(long long)blk * (R + 1) + r] = r ? rend[r - 1] : 0;
+  for (int i = threadIdx.x; i < 2 * R; i += blockDim.x) {
+    const int r = i >> 1, h = i & 1;
+    const unsigned long long m64 = rm[r];
+    unsigned m = h ? (unsigned)(m64 >> 32) : (unsigned)m64;
+    if (!m) continue;
+    const int sec = (r >= C) + (NSEC > 2 && r >= 2 * C) + (NSEC > 2 && r >= 3 * C), row = r - sec * C;
+    // sections: 0 Ainv rows; SPARSE 1: 1 H rows; SPARSE 2: 1 H columns, 2 Ainv columns, 3 G rows
+    const bool tr = SPARSE == 2 && (sec == 1 || sec == 2);
+    const A* M = (sec == 0 || sec == 2 ? Ai : sec == 1 ? Hs : Gs) + (tr ? row : row * ld);
+    const int step = tr ? ld : 1;
+    const int at = (r ? rend[r - 1] : 0) + (h ? __popc((unsigned)m64) : 0);
+    unsigned char* cp = sp_col + (long long)blk * CS + at;
+    A* vp = sp_val + mo + at;
+    for (; m; m &= m - 1) {
+      const int k = 32 * h + __ffs(m) - 1;
+      *cp++ = (unsigned char)k;
+      *vp++ = M[k * step];
     }
   }
 }
