@@ -12,6 +12,7 @@ quartiles per variant.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import numpy as np
 
@@ -32,12 +33,15 @@ def main():
     ap.add_argument("--no-snapshots", action="store_true")
     ap.add_argument("--source", default="fwd", choices=sorted(K.SOURCES))
     ap.add_argument("--backward", action="store_true", help="time forward + backward")
+    ap.add_argument("--smem-pre", action="append", default=[], metavar="LABEL=BYTES",
+                    help="pre-pass shared memory of a variant whose layout differs from gpu._smem's")
     args = ap.parse_args()
     gpu.THREADS = args.threads
     B, T, P, hd, S, C = 4, 4096, 8, 128, 16384, 64
     bank, wi, ww, v, beta, ri, rw, dr = make_inputs(B, T, P, hd, S, args.W)
     cfg = sdm.SDMConfig(num_memory_slots=S, num_parallel=P, chunk_size=C)
-    source, options = K.source, K.options
+    source, options, plan = K.source, K.options, gpu.plan
+    smem_pre = dict((lab, int(n)) for lab, n in (x.split("=") for x in args.smem_pre))
     variants = []
     for spec in args.variants:
         label, rest = spec.split("=", 1)
@@ -46,10 +50,13 @@ def main():
         variants.append((label, text, tuple(opts.split()), {}))
 
     def select(var):
-        _, text, opts, mods = var
+        _, text, opts, mods = var[:4]
         K.source = (lambda name, t=text: K_inline(t) if name == args.source else source(name))
         K.options = lambda o=opts: options() + o
         K._modules = mods
+        pre = smem_pre.get(var[0])
+        gpu.plan = plan if pre is None else (
+            lambda *a, **k: dataclasses.replace(plan(*a, **k), smem_pre=pre))
 
     def K_inline(text):
         with open(K.os.path.join(K._HERE, K._HEADER)) as f:
