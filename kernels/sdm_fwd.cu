@@ -35,6 +35,20 @@ constexpr int W_HEAD = 1 << 16, W_BAD = 1 << 17, W_NEXT = 0xFFFF;
 
 // Shared-memory layout of the forward (kernels/gpu.py's _smem mirrors it: every region is
 // rounded up to 16 bytes, in this order).
+// One piece of a snapshot row in the exact (Q = 0) or bf16 (Q = 1) mode; the 1-byte modes
+// need their row's absmax first and are written by a second pass.
+template <int Q, typename A, typename ST, typename T, int N>
+__device__ __forceinline__ void save_piece(ST* __restrict__ p, const T (&m)[N], int nv, bool vec) {
+  if constexpr (Q == 0) {
+    store_raw<N>(p, m, nv, vec);
+  } else if constexpr (Q == 1) {
+    A mv[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) mv[i] = to_acc(m[i], A());
+    store_piece<N>(p, mv, nv, vec);
+  }
+}
+
 template <typename T, typename V, typename A, typename I>
 struct FwdStage {
   A* aw; A* cw; A* beta; A* ev; I* wid; I* rid; V* val; int* ptr; int* wrun; unsigned char* ec;
@@ -290,17 +304,7 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
               m[i] = ok ? m[i] : From<T>::cvt(0.0f);
               x[i] = ok ? fma_(a, to_acc(m[i], A()), x[i]) : x[i];
             }
-            if (save) {
-              const long long off = tok * W + w;
-              if constexpr (Q == 0) {
-                store_raw<N>(snap + off * hd + c0 + cc, m, N, true);
-              } else if constexpr (Q == 1) {
-                A mv[N];
-#pragma unroll
-                for (int i = 0; i < N; ++i) mv[i] = to_acc(m[i], A());
-                store_piece<N>(snap + off * hd + c0 + cc, mv, N, true);
-              }
-            }
+            if (save) save_piece<Q, A>(snap + (tok * W + w) * hd + c0 + cc, m, N, true);
           }
         }
         for (int o = 1; o < WS; o <<= 1) {
@@ -335,14 +339,8 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
           if (keep && (g.wrun[e] & (W_HEAD | W_BAD)) == W_HEAD)
             store_raw<N>(keep_s + (long long)e * TWP + cc, m, N, true);
           if (save) {
-            const long long off = tok * W + w;
-            if constexpr (Q == 0) {
-              store_raw<N>(snap + off * hd + c0 + cc, m, nv, vs);
-            } else if constexpr (Q == 1) {
-              A mv[N];
-#pragma unroll
-              for (int i = 0; i < N; ++i) mv[i] = to_acc(m[i], A());
-              store_piece<N>(snap + off * hd + c0 + cc, mv, nv, vs);
+            if constexpr (Q <= 1) {
+              save_piece<Q, A>(snap + (tok * W + w) * hd + c0 + cc, m, nv, vs);
             } else {
               float mx = 0.f;
 #pragma unroll
