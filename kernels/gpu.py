@@ -123,6 +123,8 @@ class Plan:
     CS: int             # bytes per chunk of the CSR column array (C*C, or 2*C*C for the
                         # backward's form, rounded up to 16)
     seg: int            # chunks per range of the backward (its pre-pass scratch)
+    smem_bwd_snap: int = 0   # the backward with its chunk's exact snapshot rows staged in
+                             # shared memory (0: they do not fit beside the rest)
 
 
 def _device_limits():
@@ -227,9 +229,14 @@ def plan(lay: Layout, config, *, quant=None, limits=None, backward=False) -> Pla
         keep = bool(KEEP_ROWS) and fwd_keep <= smem_max
     per_chunk = sum(n * np.dtype(dt).itemsize for n, dt in _bwd_scratch_rows(lay.W, C, acc))
     seg = max(1, min(Nt, BWD_SCRATCH // (lay.B * lay.P * per_chunk)))
+    # kernels/sdm_bwd.cu's snapshot stage: C*W rows of the tile after the other regions; only
+    # where it costs no block per multiprocessor
+    bwd_snap = _r16(bwd) + C * lay.W * (-(-TW // N) * N) * np.dtype(lay.bank_dtype).itemsize
+    if bwd_snap > (smem_max if bwd_per_sm == 1 else min(smem_max, KEEP_SMEM)):
+        bwd_snap = 0
     return Plan(C=C, Nt=Nt, TW=TW, ntile=ntile, N=N, smem_pre=pre,
                 smem_fwd=fwd_keep if keep else fwd, smem_bwd=bwd, keep=keep,
-                CS=_r16((2 if backward else 1) * C * C), seg=seg)
+                CS=_r16((2 if backward else 1) * C * C), seg=seg, smem_bwd_snap=bwd_snap)
 
 
 def check_config(lay: Layout, config) -> None:
@@ -395,6 +402,8 @@ def sdm_bwd(lay: Layout, config, bank, inputs, snapshots, dr, dM):
                | int(_aligned(d_v, N)) << 6) if lay.hd % N == 0 else 0
     vecmask |= int(_rows16(v, lay, pl)) << 1 | int(_rows16(g, lay, pl)) << 2
     q = K.QUANT_CODE[mode]
+    # exact snapshots staged in shared memory (the kernel also needs its fast path)
+    ssnap = mode is None and pl.smem_bwd_snap > 0
     key = (lay.bank_dtype, vk, lay.index_dtype)
     pkey = (acc, lay.index_dtype)
     pre_name = K.prepass_name(acc, lay.index_dtype, 2)
@@ -406,12 +415,14 @@ def sdm_bwd(lay: Layout, config, bank, inputs, snapshots, dr, dM):
                  np.int32(lay.W), np.int64(lay.S), np.int32(pl.C), np.int32(lo),
                  np.int32(hi - lo), val, srt, ptr, col, np.int32(pl.CS), _err_array()),
                 PREPASS_THREADS)
-        _launch("bwd", key, bwd_name, lay.B * lay.P * pl.ntile, pl.smem_bwd,
+        _launch("bwd", key, bwd_name, lay.B * lay.P * pl.ntile,
+                pl.smem_bwd_snap if ssnap else pl.smem_bwd,
                 (bank, write_idx, write_w, v, beta, read_idx, read_w, ptr, col, val, srt, snap,
                  scale if scale is not None else d_beta, g, dM, d_aw, d_v, d_beta, d_cw,
                  np.int32(lay.T), np.int32(lay.P), np.int32(lay.hd), np.int32(lay.W),
                  np.int64(lay.S), np.int32(pl.C), np.int32(lo), np.int32(hi), np.int32(pl.TW),
-                 np.int32(pl.ntile), np.int32(pl.CS), np.int32(vecmask)), BWD_THREADS)
+                 np.int32(pl.ntile), np.int32(pl.CS), np.int32(vecmask), np.int32(ssnap)),
+                BWD_THREADS)
     if vk != lay.value_dtype:
         d_v = d_v.astype(lay.value_dtype)
     return dM, d_aw, d_v, d_beta, d_cw

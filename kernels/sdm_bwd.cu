@@ -160,7 +160,7 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
                Gt* __restrict__ dM, A* __restrict__ d_aw, V* __restrict__ d_vals,
                A* __restrict__ d_beta, A* __restrict__ d_cw,
                int T_, int P, int hd, int W, long long S, int C, int n_lo, int n_hi, int TW,
-               int ntile, int CS, int vecmask) {
+               int ntile, int CS, int vecmask, int ssnap) {
   typedef typename Snap<T, Q>::type ST;
   const int tile = blockIdx.x % ntile, bp = blockIdx.x / ntile, p = bp % P, b = bp / P;
   const int D = P * hd, c0 = tile * TW, tw = min(TW, hd - c0), nseg = n_hi - n_lo;
@@ -182,12 +182,21 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
   A* pa_s = reinterpret_cast<A*>(sp); sp += r16((long long)C * W * NPT * sizeof(A));  // da parts
   A* pc_s = reinterpret_cast<A*>(sp); sp += r16((long long)C * W * NPT * sizeof(A));  // dc parts
   A* pb_s = reinterpret_cast<A*>(sp);                                                 // dbeta
+  sp += r16((long long)C * NPT * sizeof(A));
+  T* SN_s = reinterpret_cast<T*>(sp);   // C*W snapshot rows of the tile (only when staged)
 
   T* bank_b = bank + (long long)b * S * D + p * hd + c0;
   Gt* dM_b = dM + (long long)b * S * D + p * hd + c0;
   const FastDiv divW(W), divNPC(NPC);
   // every piece full and every row aligned: the round trips take their plain 16-byte path
   const bool fast = vb && vs && vg && vd && tw % N == 0;
+  // exact snapshots on the fast path: the chunk's snapshot rows are copied into SN_s with
+  // cp.async (all in flight at once) and both round trips read them from there
+#ifdef SDM_BWD_NO_SNAP_STAGE   // benchmarks: snapshots read from global memory, for comparison
+  const bool sst = false;
+#else
+  const bool sst = ssnap && fast && Q == 0;
+#endif
 
   auto stage = [&](int n) {
     BwdStage<V, A, I> g;
@@ -199,28 +208,19 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
     const int t0 = n * C, L = min(C, T_ - t0), Ne = L * W;
     const long long chunk = (long long)bp * nseg + (n - n_lo);
     const long long tokb = ((long long)b * T_ + t0) * P + p;
-    int t = threadIdx.x / W, w = threadIdx.x % W;
-    const int dt = blockDim.x / W, dw = blockDim.x % W;
-    for (int i = threadIdx.x; i < Ne; i += blockDim.x) {
-      const long long off = (tokb + (long long)t * P) * W + w;
-      t += dt;
-      w += dw;
-      if (w >= W) { w -= W; ++t; }
-      cp_elem(g.wid + i, wi + off);
-      cp_elem(g.rid + i, ri + off);
-      cp_elem(g.aw + i, aw + off);
-      cp_elem(g.cw + i, cw + off);
-      cp_async<4>(g.rl + i, srt_g + chunk * 3 * C * W + 2 * C * W + i);
-    }
-    for (int i = threadIdx.x; i < 2 * Ne; i += blockDim.x)
-      cp_async<4>(g.srt + i, srt_g + chunk * 3 * C * W + i);
+    // a token's W entries are contiguous in [B, T, P, W]: one row per token, P * W apart
+    cp_rows(g.wid, wi + tokb * W, L, W, (long long)P * W);
+    cp_rows(g.rid, ri + tokb * W, L, W, (long long)P * W);
+    cp_rows(g.aw, aw + tokb * W, L, W, (long long)P * W);
+    cp_rows(g.cw, cw + tokb * W, L, W, (long long)P * W);
+    cp_rows(g.rl, srt_g + chunk * 3 * C * W + 2 * C * W, 1, Ne, 0);
+    cp_rows(g.srt, srt_g + chunk * 3 * C * W, 1, 2 * Ne, 0);
     for (int j = threadIdx.x; j < L; j += blockDim.x) cp_elem(g.beta + j, beta + tokb + (long long)j * P);
-    for (int i = threadIdx.x; i <= 4 * C; i += blockDim.x)
-      cp_async<4>(g.ptr + i, sp_ptr + chunk * (4 * C + 1) + i);
+    cp_rows(g.ptr, sp_ptr + chunk * (4 * C + 1), 1, 4 * C + 1, 0);
     const int E_cap = min(BE_STAGE, 2 * C * C);
-    for (int k = threadIdx.x; k < E_cap; k += blockDim.x) cp_elem(g.ev + k, sp_val + chunk * 2 * C * C + k);
-    for (int k = threadIdx.x; 4 * k < E_cap; k += blockDim.x)
-      cp_async<4>(g.ec + 4 * k, sp_col + chunk * CS + 4 * k);
+    cp_rows(g.ev, sp_val + chunk * 2 * C * C, 1, E_cap, 0);
+    // whole 16-byte pieces: r16(E_cap) <= CS, inside the chunk's columns and the stage
+    cp_rows(g.ec, sp_col + chunk * CS, 1, (int)r16(E_cap), 0);
     const long long vrow0 = ((long long)b * T_ + t0) * D + p * hd + c0;
     if (v16) {
       const int pcs = tw / NV;
@@ -342,7 +342,101 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
         }
       }
     };
-    if (fast) round1(BoolC<true>()); else round1(BoolC<false>());
+    // 1 with staged snapshots: the snapshot copies go out first; pass A then loads the dM rows
+    // of the writes and the bank rows of the reads no write of the chunk links (branch-free:
+    // linked reads and bad ids load row 0); pass B, once the copies have landed, takes X and
+    // the linked reads' M0 from SN_s. Same terms in the same order as round1.
+    auto round1s = [&]() {
+      for (int i = threadIdx.x; i < Ne * NPC; i += blockDim.x) {
+        const int e = divNPC.div(i), cc = (i - e * NPC) * N, t = divW.div(e);
+        cp_async<16>(SN_s + (long long)e * TWP + cc,
+                     snap + ((tokb + (long long)t * P) * W + (e - t * W)) * hd + c0 + cc);
+      }
+      cp_commit();
+      for (int base = 0; base < total; base += blockDim.x) {
+        const int task = base + threadIdx.x, ws = task % WS, tp = task / WS;
+        const bool act = task < total;
+        const int t = divNPC.div(tp), pc = tp - t * NPC, cc = pc * N;
+        A d[N], r[N];
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+          d[i] = A(0);
+          r[i] = act ? to_acc(g.drv[t * TVP + cc + i], A()) : A(0);
+        }
+        if (act) {
+#pragma unroll 2
+          for (int w = ws; w < W; w += WS) {
+            const int e = t * W + w;
+            const I id = g.wid[e], jd = g.rid[e];
+            const bool ok = valid_id(id, S), okr = valid_id(jd, S);
+            const int lk = g.rl[e];
+            A gg[N], mr[N];
+            load_grad<N>(gg, dM_b + (long long)(ok ? id : 0) * D + cc, N, true);
+            load_grad<N>(mr, bank_b + (long long)(okr && !lk ? jd : 0) * D + cc, N, true);
+            const A a = g.aw[e];
+            A sr = A(0);
+#pragma unroll
+            for (int i = 0; i < N; ++i) {
+              d[i] = ok ? d[i] + a * gg[i] : d[i];
+              sr += r[i] * mr[i];
+            }
+            if (!lk) pc_s[e * NPT + pc] = okr ? sr : A(0);
+          }
+        }
+        for (int o = 1; o < WS; o <<= 1) {
+#pragma unroll
+          for (int i = 0; i < N; ++i) d[i] += __shfl_xor_sync(0xffffffffu, d[i], o);
+        }
+        if (act && ws == 0) {
+#pragma unroll
+          for (int i = 0; i < N; ++i) {
+            D_s[t * TWP + cc + i] = d[i];
+            R_s[t * TWP + cc + i] = r[i];
+          }
+        }
+      }
+      cp_wait<0>();
+      __syncthreads();
+      for (int base = 0; base < total; base += blockDim.x) {
+        const int task = base + threadIdx.x, ws = task % WS, tp = task / WS;
+        const bool act = task < total;
+        const int t = divNPC.div(tp), pc = tp - t * NPC, cc = pc * N;
+        A x[N];
+#pragma unroll
+        for (int i = 0; i < N; ++i) x[i] = A(0);
+        if (act) {
+          for (int w = ws; w < W; w += WS) {
+            const int e = t * W + w;
+            const bool ok = valid_id(g.wid[e], S);
+            const int lk = g.rl[e];
+            const A a = g.aw[e];
+            T raw[N];
+            load_raw<N>(raw, SN_s + (long long)e * TWP + cc, N, true);
+#pragma unroll
+            for (int i = 0; i < N; ++i) x[i] = ok ? x[i] + a * to_acc(raw[i], A()) : x[i];
+            if (lk) {   // M0[j] = the snapshot of the write heading j's run in this chunk
+              load_raw<N>(raw, SN_s + (long long)(lk - 1) * TWP + cc, N, true);
+              A sr = A(0);
+#pragma unroll
+              for (int i = 0; i < N; ++i) sr += R_s[t * TWP + cc + i] * to_acc(raw[i], A());
+              pc_s[e * NPT + pc] = valid_id(g.rid[e], S) ? sr : A(0);
+            }
+          }
+        }
+        for (int o = 1; o < WS; o <<= 1) {
+#pragma unroll
+          for (int i = 0; i < N; ++i) x[i] += __shfl_xor_sync(0xffffffffu, x[i], o);
+        }
+        if (act && ws == 0) {
+#pragma unroll
+          for (int i = 0; i < N; ++i)
+            E_s[t * TWP + cc + i] = to_acc(g.val[t * TVP + cc + i], A()) - x[i];
+        }
+      }
+    };
+    if (sst) round1s();
+    else if (fast) round1(BoolC<true>());
+    else round1(BoolC<false>());
     __syncthreads();
     // u = Ainv diag(beta) e0 (unit diagonal implied)
     for (int task = threadIdx.x; task < TP; task += blockDim.x) {
@@ -431,8 +525,14 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
           const long long off = tok * W + w;
           A m[N], gg[N];
           T raw[N];
-          SnapIO<N, A, T, ST, Q>::load(m, raw, snap + off * hd + c0 + cc,
-                                       Q > 1 ? scale[off] : 0.f, nv, F || vs);
+          if (F && sst) {
+            load_raw<N>(raw, SN_s + (long long)e * TWP + cc, N, true);
+#pragma unroll
+            for (int i = 0; i < N; ++i) m[i] = to_acc(raw[i], A());
+          } else {
+            SnapIO<N, A, T, ST, Q>::load(m, raw, snap + off * hd + c0 + cc,
+                                         Q > 1 ? scale[off] : 0.f, nv, F || vs);
+          }
           load_grad<N>(gg, dM_b + (long long)(ok ? id : 0) * D + cc, nv, F || vg);
           if (ok) store_raw<N>(bank_b + (long long)id * D + cc, raw, nv, F || vb);
           A sa = A(0);

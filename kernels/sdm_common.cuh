@@ -185,6 +185,43 @@ __device__ __forceinline__ void cp_elem(E* dst, const E* src) {
 
 __host__ __device__ constexpr long long r16(long long x) { return (x + 15) & ~15ll; }
 
+// Copies `rows` rows of `n` elements into shared memory with cp.async, spread over the block:
+// row r comes from src + r * gs (elements) and lands packed at dst + r * n. When every row
+// start on both sides is 16-byte aligned and a row is whole 16-byte pieces, each thread keeps
+// one piece of the row and steps over rows (no divisions in the loop); one row copies its
+// 16-byte pieces and then any tail element by element; otherwise element by element.
+template <typename E>
+__device__ __forceinline__ void cp_rows(E* dst, const E* src, int rows, int n, long long gs) {
+  if (rows <= 0 || n <= 0) return;
+  const int nb = n * (int)sizeof(E), k16 = nb >> 4;
+  const bool al = ((reinterpret_cast<unsigned long long>(dst) |
+                    reinterpret_cast<unsigned long long>(src)) & 15) == 0;
+  unsigned char* d = reinterpret_cast<unsigned char*>(dst);
+  const unsigned char* s = reinterpret_cast<const unsigned char*>(src);
+  if (rows == 1 && al) {
+    for (int k = threadIdx.x; k < k16; k += blockDim.x) cp_async<16>(d + 16 * k, s + 16 * k);
+    for (int i = 16 * k16 / (int)sizeof(E) + threadIdx.x; i < n; i += blockDim.x)
+      cp_elem(dst + i, src + i);
+    return;
+  }
+  if (al && k16 > 0 && (nb & 15) == 0 && ((gs * (long long)sizeof(E)) & 15) == 0 &&
+      (int)blockDim.x % k16 == 0) {
+    const int j = threadIdx.x % k16, rstep = blockDim.x / k16;
+    const long long gb = gs * (long long)sizeof(E);
+    for (int r = threadIdx.x / k16; r < rows; r += rstep)
+      cp_async<16>(d + (long long)r * nb + 16 * j, s + r * gb + 16 * j);
+    return;
+  }
+  int r = threadIdx.x / n, c = threadIdx.x % n;   // element i = r * n + c, stepped
+  const int dr = blockDim.x / n, dc = blockDim.x % n;
+  for (int i = threadIdx.x; i < rows * n; i += blockDim.x) {
+    cp_elem(dst + i, src + r * gs + c);
+    r += dr;
+    c += dc;
+    if (c >= n) { c -= n; ++r; }
+  }
+}
+
 // n / d by a multiply: exact for 0 <= n < 2^16 and 1 <= d < 2^15 (the error n * (m - 2^32 / d)
 // / 2^32 < 2^-16 never carries past the next multiple of d); larger n divide plainly.
 struct FastDiv {

@@ -121,26 +121,18 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
     const int t0 = n * C, L = min(C, T_ - t0), Ne = L * W;
     const long long chunk = (long long)bp * Nt + n;
     const long long tokb = ((long long)b * T_ + t0) * P + p;
-    int t = threadIdx.x / W, w = threadIdx.x % W;   // i = t * W + w, stepped without divisions
-    const int dt = blockDim.x / W, dw = blockDim.x % W;
-    for (int i = threadIdx.x; i < Ne; i += blockDim.x) {
-      const long long off = (tokb + (long long)t * P) * W + w;
-      t += dt;
-      w += dw;
-      if (w >= W) { w -= W; ++t; }
-      cp_elem(g.wid + i, wi + off);
-      cp_elem(g.rid + i, ri + off);
-      cp_elem(g.aw + i, aw + off);
-      cp_elem(g.cw + i, cw + off);
-      if (!fuse) cp_async<4>(g.wrun + i, wrun_g + chunk * C * W + i);
-    }
+    // a token's W entries are contiguous in [B, T, P, W]: one row per token, P * W apart
+    cp_rows(g.wid, wi + tokb * W, L, W, (long long)P * W);
+    cp_rows(g.rid, ri + tokb * W, L, W, (long long)P * W);
+    cp_rows(g.aw, aw + tokb * W, L, W, (long long)P * W);
+    cp_rows(g.cw, cw + tokb * W, L, W, (long long)P * W);
     for (int j = threadIdx.x; j < L; j += blockDim.x) cp_elem(g.beta + j, beta + tokb + (long long)j * P);
     if (!fuse) {
-      for (int i = threadIdx.x; i <= 2 * C; i += blockDim.x)
-        cp_async<4>(g.ptr + i, sp_ptr + chunk * (2 * C + 1) + i);
-      for (int k = threadIdx.x; k < E_cap; k += blockDim.x) cp_elem(g.ev + k, sp_val + chunk * C * C + k);
-      for (int k = threadIdx.x; 4 * k < E_cap; k += blockDim.x)
-        cp_async<4>(g.ec + 4 * k, sp_col + chunk * CS + 4 * k);
+      cp_rows(g.wrun, wrun_g + chunk * C * W, 1, Ne, 0);
+      cp_rows(g.ptr, sp_ptr + chunk * (2 * C + 1), 1, 2 * C + 1, 0);
+      cp_rows(g.ev, sp_val + chunk * C * C, 1, E_cap, 0);
+      // whole 16-byte pieces: r16(E_cap) <= CS, inside the chunk's columns and the stage
+      cp_rows(g.ec, sp_col + chunk * CS, 1, (int)r16(E_cap), 0);
     }
     const V* vrow = vals + ((long long)b * T_ + t0) * D + p * hd + c0;
     if (v16) {

@@ -44,6 +44,28 @@ def test_headline_backward_is_one_wave_with_bounded_scratch():
     assert pl.CS == gpu._r16(2 * 64 * 64)   # the backward's CSR holds four triangles
 
 
+def test_backward_stages_snapshots_only_where_they_fit():
+    """The headline backward stages its chunk's exact snapshot rows (C*W rows of the 32-wide
+    bf16 tile) beside everything else; a float32 bank's rows would not fit, and with two
+    256-thread blocks per multiprocessor the stage must not cost one of them."""
+    lay = _layout()
+    pl = gpu.plan(lay, _cfg(lay), limits=H200, backward=True)
+    assert pl.smem_bwd_snap == gpu._r16(pl.smem_bwd) + 64 * 16 * 32 * 2
+    assert pl.smem_bwd_snap <= H200[1]
+    f32 = _layout(bank_dtype=np.dtype(np.float32), value_dtype=np.dtype(np.float32))
+    assert gpu.plan(f32, _cfg(f32), limits=H200, backward=True).smem_bwd_snap == 0
+
+
+def test_backward_snapshot_stage_keeps_two_blocks_per_sm(monkeypatch):
+    monkeypatch.setattr(gpu, "BWD_THREADS", 256)
+    lay = _layout()
+    pl = gpu.plan(lay, _cfg(lay), limits=H200, backward=True)
+    assert pl.smem_bwd_snap == 0 or pl.smem_bwd_snap <= gpu.KEEP_SMEM
+    small = _layout(W=4)
+    pls = gpu.plan(small, _cfg(small), limits=H200, backward=True)
+    assert 0 < pls.smem_bwd_snap <= gpu.KEEP_SMEM
+
+
 @pytest.mark.parametrize("scratch", [1, 10 ** 7, 10 ** 12])
 def test_backward_ranges_cover_every_chunk_once(monkeypatch, scratch):
     monkeypatch.setattr(gpu, "BWD_SCRATCH", scratch)
