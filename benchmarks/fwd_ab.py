@@ -50,18 +50,14 @@ def main():
         variants.append((label, text, tuple(opts.split()), {}))
 
     def select(var):
-        _, text, opts, mods = var[:4]
-        K.source = (lambda name, t=text: K_inline(t) if name == args.source else source(name))
+        label, text, opts, mods = var
+        K.source = (lambda name, t=text: K.inline_header(t) if name == args.source
+                    else source(name))
         K.options = lambda o=opts: options() + o
         K._modules = mods
-        pre = smem_pre.get(var[0])
+        pre = smem_pre.get(label)
         gpu.plan = plan if pre is None else (
             lambda *a, **k: dataclasses.replace(plan(*a, **k), smem_pre=pre))
-
-    def K_inline(text):
-        with open(K.os.path.join(K._HERE, K._HEADER)) as f:
-            header = f.read().replace("#pragma once\n", "")
-        return text.replace(f'#include "{K._HEADER}"', header)
 
     def call():
         res = sdm.forward(bank, wi, ww, v, beta, ri, rw, cfg, inplace=True, check_indices=False,

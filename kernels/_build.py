@@ -41,7 +41,11 @@ QUANT_CODE = {None: 0, "bf16": 1, "fp8_e4m3": 2, "int8": 3}
 def source(name: str) -> str:
     """The source text of ``SOURCES[name]`` with the shared header inlined."""
     with open(os.path.join(_HERE, SOURCES[name])) as f:
-        text = f.read()
+        return inline_header(f.read())
+
+
+def inline_header(text: str) -> str:
+    """A kernel source's text with the shared header in place of its ``#include``."""
     with open(os.path.join(_HERE, _HEADER)) as f:
         header = f.read().replace("#pragma once\n", "")
     return text.replace(f'#include "{_HEADER}"', header)
