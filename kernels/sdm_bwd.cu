@@ -36,7 +36,8 @@ struct SnapIO {
   __device__ static void load(A (&m)[N], T (&raw)[N], const ST* __restrict__ p, float sc, int nv,
                               bool vec) {
     if constexpr (Q == 0) {
-      load_raw<N>(raw, p, nv, vec);
+      if (vec && nv == N) load_row<N>(raw, p);
+      else load_raw<N>(raw, p, nv, vec);
 #pragma unroll
       for (int i = 0; i < N; ++i) m[i] = to_acc(raw[i], A());
     } else if constexpr (Q == 1) {
@@ -73,7 +74,7 @@ __device__ __forceinline__ void load_grad(A (&out)[N], const T* __restrict__ p, 
     if (vec && nv == N) {
       union { int4 q[NB / 16]; T v[N]; } u;
 #pragma unroll
-      for (int j = 0; j < NB / 16; ++j) u.q[j] = __ldcg(reinterpret_cast<const int4*>(p) + j);
+      for (int j = 0; j < NB / 16; ++j) u.q[j] = ld_row16<true>(reinterpret_cast<const int4*>(p) + j);
 #pragma unroll
       for (int i = 0; i < N; ++i) out[i] = to_acc(u.v[i], A());
       return;
@@ -349,7 +350,7 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
     auto round1s = [&]() {
       for (int i = threadIdx.x; i < Ne * NPC; i += blockDim.x) {
         const int e = divNPC.div(i), cc = (i - e * NPC) * N, t = divW.div(e);
-        cp_async<16>(SN_s + (long long)e * TWP + cc,
+        cp_async_row(SN_s + (long long)e * TWP + cc,
                      snap + ((tokb + (long long)t * P) * W + (e - t * W)) * hd + c0 + cc);
       }
       cp_commit();

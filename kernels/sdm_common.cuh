@@ -176,6 +176,66 @@ __device__ __forceinline__ void cp_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(K));
 #endif
 }
+// ---- gathers of row pieces ----------------------------------------------------------------
+// A block owns a column tile, so it reads only a 16- to 64-byte piece of each 256-byte (bf16,
+// hd = 128) row it gathers; the blocks of the other tiles read the rest of the same rows at about
+// the same time. Without a hint each piece is its own 32-byte DRAM access, which random rows
+// make several times slower than whole rows (benchmarks/gather_ceiling.py). The L2 prefetch-size
+// qualifier makes the first miss bring SDM_L2_PREFETCH bytes around the piece into L2, where the
+// other tiles' loads then hit. 0 compiles the plain loads (for comparison).
+#ifndef SDM_L2_PREFETCH
+#define SDM_L2_PREFETCH 256
+#endif
+#if SDM_L2_PREFETCH == 256
+#define SDM_L2PF ".L2::256B"
+#elif SDM_L2_PREFETCH == 128
+#define SDM_L2PF ".L2::128B"
+#elif SDM_L2_PREFETCH == 64
+#define SDM_L2PF ".L2::64B"
+#elif SDM_L2_PREFETCH == 0
+#define SDM_L2PF ""
+#else
+#error "SDM_L2_PREFETCH must be 0, 64, 128 or 256"
+#endif
+
+// 16 bytes of a global row, cached in L1 and L2 (the bank: the block itself may have written
+// it, so never the read-only path) or in L2 only (`cg`), with the prefetch-size hint
+template <bool CG = false>
+__device__ __forceinline__ int4 ld_row16(const void* p) {
+#if __CUDA_ARCH__ >= 800
+  int4 r;
+  if constexpr (CG)
+    asm volatile("ld.global.cg" SDM_L2PF ".v4.s32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  else
+    asm volatile("ld.global" SDM_L2PF ".v4.s32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+#else
+  return CG ? __ldcg(reinterpret_cast<const int4*>(p)) : *reinterpret_cast<const int4*>(p);
+#endif
+}
+
+// A whole piece of N elements (16 bytes, aligned) of a gathered global row, raw.
+template <int N, typename T>
+__device__ __forceinline__ void load_row(T (&out)[N], const T* __restrict__ p) {
+  static_assert(sizeof(T) * N == 16, "a row piece is 16 bytes");
+  union { int4 q; T v[N]; } u;
+  u.q = ld_row16(p);
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = u.v[i];
+}
+
+// cp.async of 16 bytes of a gathered global row into shared memory (L2 only), with the hint
+__device__ __forceinline__ void cp_async_row(void* dst, const void* src) {
+#if __CUDA_ARCH__ >= 800
+  const unsigned s = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global" SDM_L2PF " [%0], [%1], 16;\n" ::"r"(s), "l"(src));
+#else
+  *reinterpret_cast<int4*>(dst) = *reinterpret_cast<const int4*>(src);
+#endif
+}
+
 // one element of 4 or 8 bytes (2-byte elements are copied synchronously)
 template <typename E>
 __device__ __forceinline__ void cp_elem(E* dst, const E* src) {

@@ -226,7 +226,7 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
       for (int i = threadIdx.x; i < Ne * NPC; i += blockDim.x) {
         const int e = divNPC.div(i), cc = (i - e * NPC) * N;
         const I id = g.wid[e];
-        cp_async<16>(keep_s + (long long)e * TWP + cc,
+        cp_async_row(keep_s + (long long)e * TWP + cc,
                      bank_b + (long long)(valid_id(id, S) ? id : 0) * D + cc);
       }
       cp_commit();
@@ -246,7 +246,7 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
             for (int j = 0; j < GR; ++j) {
               const I jd = g.rid[t * W + w + j * WS];
               okr[j] = valid_id(jd, S);
-              load_raw<N>(mr[j], bank_b + (long long)(okr[j] ? jd : 0) * D + cc, N, true);
+              load_row<N>(mr[j], bank_b + (long long)(okr[j] ? jd : 0) * D + cc);
             }
 #pragma unroll
             for (int j = 0; j < GR; ++j) {
@@ -259,7 +259,7 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
             const I jd = g.rid[t * W + w];
             const bool okr = valid_id(jd, S);
             T mr[N];
-            load_raw<N>(mr, bank_b + (long long)(okr ? jd : 0) * D + cc, N, true);
+            load_row<N>(mr, bank_b + (long long)(okr ? jd : 0) * D + cc);
             const A c = g.cw[t * W + w];
 #pragma unroll
             for (int i = 0; i < N; ++i) y[i] = okr ? fma_(c, to_acc(mr[i], A()), y[i]) : y[i];
@@ -355,8 +355,8 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
               const I id = g.wid[e], jd = g.rid[e];
               ok[j] = valid_id(id, S);
               okr[j] = valid_id(jd, S);
-              load_raw<N>(m[j], bank_b + (long long)(ok[j] ? id : 0) * D + cc, N, true);
-              load_raw<N>(mr[j], bank_b + (long long)(okr[j] ? jd : 0) * D + cc, N, true);
+              load_row<N>(m[j], bank_b + (long long)(ok[j] ? id : 0) * D + cc);
+              load_row<N>(mr[j], bank_b + (long long)(okr[j] ? jd : 0) * D + cc);
             }
 #pragma unroll
             for (int j = 0; j < GU; ++j) {
@@ -370,8 +370,8 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
             const I id = g.wid[e], jd = g.rid[e];
             const bool ok = valid_id(id, S), okr = valid_id(jd, S);
             T m[N], mr[N];
-            load_raw<N>(m, bank_b + (long long)(ok ? id : 0) * D + cc, N, true);
-            load_raw<N>(mr, bank_b + (long long)(okr ? jd : 0) * D + cc, N, true);
+            load_row<N>(m, bank_b + (long long)(ok ? id : 0) * D + cc);
+            load_row<N>(mr, bank_b + (long long)(okr ? jd : 0) * D + cc);
 #pragma unroll
             for (int i = 0; i < N; ++i) m[i] = ok ? m[i] : From<T>::cvt(0.0f);
             use(w, ok, okr, m, mr);
