@@ -6,7 +6,11 @@ one forward of each runs in turn, rep after rep, so that clock and neighbour dri
 variant alike (separate processes differed by up to 8% on one lease). Prints the median and
 quartiles per variant.
 
-    python3 benchmarks/fwd_ab.py LABEL=FILE[:OPTIONS] ... [--source fwd] [--reps 40] [--threads 256]
+    python3 benchmarks/fwd_ab.py LABEL=FILE[:OPTIONS][@NAME=VALUE,...] ... [--source fwd]
+        [--reps 40] [--threads 256]
+
+``@NAME=VALUE`` sets launcher knobs of ``kernels/gpu.py`` for that variant only (integers or
+None), e.g. ``t32=../kernels/sdm_fwd.cu@TILE_WIDTH=32,THREADS=512``.
 """
 
 from __future__ import annotations
@@ -45,12 +49,22 @@ def main():
     variants = []
     for spec in args.variants:
         label, rest = spec.split("=", 1)
+        rest, _, sets = rest.partition("@")
         path, _, opts = rest.partition(":")
         text = open(path).read()
-        variants.append((label, text, tuple(opts.split()), {}))
+        knobs = {k: (None if v == "None" else int(v))
+                 for k, v in (x.split("=") for x in sets.split(",") if x)}
+        for k in knobs:
+            if not hasattr(gpu, k):
+                raise SystemExit(f"kernels/gpu.py has no knob {k}")
+        variants.append((label, text, tuple(opts.split()), {}, knobs))
+    knob_names = {k for var in variants for k in var[4]}
+    defaults = {k: getattr(gpu, k) for k in knob_names}
 
     def select(var):
-        label, text, opts, mods = var
+        label, text, opts, mods, knobs = var
+        for k in knob_names:
+            setattr(gpu, k, knobs.get(k, defaults[k]))
         K.source = (lambda name, t=text: K.inline_header(t) if name == args.source
                     else source(name))
         K.options = lambda o=opts: options() + o
