@@ -37,24 +37,9 @@ constexpr int W_HEAD = 1 << 16, W_BAD = 1 << 17, W_NEXT = 0xFFFF;
 // rounded up to 16 bytes, in this order).
 // One piece of a snapshot row in the exact (Q = 0) or bf16 (Q = 1) mode; the 1-byte modes
 // need their row's absmax first and are written by a second pass.
-// Snapshot rows are not read again by the forward: with SDM_SNAP_STREAM (default) their whole
-// 16-byte pieces are stored evict-first (st.global.cs), so that they do not push out of L2 the
-// bank rows that the other column tiles of the same rows are about to read.
-#ifndef SDM_SNAP_STREAM
-#define SDM_SNAP_STREAM 1
-#endif
 template <int Q, typename A, typename ST, typename T, int N>
 __device__ __forceinline__ void save_piece(ST* __restrict__ p, const T (&m)[N], int nv, bool vec) {
   if constexpr (Q == 0) {
-#if SDM_SNAP_STREAM
-    if (vec && nv == N && sizeof(T) * N == 16) {
-      union { int4 q; T v[N]; } u;
-#pragma unroll
-      for (int i = 0; i < N; ++i) u.v[i] = m[i];
-      __stcs(reinterpret_cast<int4*>(p), u.q);
-      return;
-    }
-#endif
     store_raw<N>(p, m, nv, vec);
   } else if constexpr (Q == 1) {
     A mv[N];

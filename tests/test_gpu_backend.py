@@ -136,18 +136,16 @@ def test_forward_kept_rows_and_staged_entries(rng, keep_rows, S, dtype):
 
 @pytest.mark.parametrize("macros", ["-DSDM_FWD_GENERAL_GATHER", "-DSDM_FWD_REG_GATHER",
                                     "-DSDM_PREPASS_PLAIN_SORT", "-DSDM_BWD_NO_SNAP_STAGE",
-                                    "-DSDM_L2_PREFETCH=0", "-DSDM_L2_PREFETCH=64",
-                                    "-DSDM_SNAP_STREAM=0"],
+                                    "-DSDM_L2_PREFETCH=0", "-DSDM_L2_PREFETCH=64"],
                          ids=["general_gather", "register_gather", "plain_sort",
-                              "unstaged_snapshots", "no_l2_prefetch", "l2_prefetch_64",
-                              "cached_snapshot_stores"])
+                              "unstaged_snapshots", "no_l2_prefetch", "l2_prefetch_64"])
 @pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
 def test_compile_time_variants_leave_results_bitwise_equal(rng, monkeypatch, macros, dtype):
     """The benchmarks' compile-time variants (the forward's general gather instead of its
     fast path for full aligned pieces; its write rows loaded through registers instead of
     copied into shared memory with cp.async; the pre-pass's shared-memory-only sort; the
     backward's snapshots read from global memory instead of staged; the row gathers' L2
-    prefetch size; the snapshot stores' cache policy) change no bit
+    prefetch size) change no bit
     of the forward (with snapshots), of the backward's exact-owner gradients (bank, values)
     or of the rewound bank."""
     from sdm_cupy.kernels import _build as K
