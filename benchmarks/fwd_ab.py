@@ -37,6 +37,9 @@ def main():
     ap.add_argument("--no-snapshots", action="store_true")
     ap.add_argument("--source", default="fwd", choices=sorted(K.SOURCES))
     ap.add_argument("--backward", action="store_true", help="time forward + backward")
+    ap.add_argument("--check", action="store_true",
+                    help="first check that every variant's forward (readings, final bank, "
+                         "snapshots) is bitwise the first variant's, from the same bank")
     ap.add_argument("--smem-pre", action="append", default=[], metavar="LABEL=BYTES",
                     help="pre-pass shared memory of a variant whose layout differs from gpu._smem's")
     args = ap.parse_args()
@@ -79,6 +82,26 @@ def main():
         if args.backward:   # rewinds the bank: every rep sees the same one
             sdm.backward(res.saved, dr)
 
+    if args.check:
+        bank0, ref = bank.copy(), None
+        for var in variants:
+            select(var)
+            bank[...] = bank0
+            res = sdm.forward(bank, wi, ww, v, beta, ri, rw, cfg, inplace=True,
+                              check_indices=False)
+            snaps = res.saved.snapshots
+            snaps = snaps if isinstance(snaps, (tuple, list)) else (snaps,)
+            outs = [res.readings.copy(), bank.copy()] + [x.copy() for x in snaps if x is not None]
+            del res
+            if ref is None:
+                ref = outs
+                continue
+            same = [bool(cp.array_equal(a.view(cp.uint8), b.view(cp.uint8)))
+                    for a, b in zip(ref, outs)]
+            print(f"{var[0]}: bitwise equal to {variants[0][0]} (readings, final bank, "
+                  f"snapshots): {same}", flush=True)
+        bank[...] = bank0
+        del ref, outs, bank0
     for var in variants:   # compile and warm each
         select(var)
         call()

@@ -236,6 +236,44 @@ __device__ __forceinline__ void cp_async_row(void* dst, const void* src) {
 #endif
 }
 
+// ---- thread-block clusters (sm_90): distributed shared memory -----------------------------
+#if __CUDA_ARCH__ >= 900
+// this block's shared address `p` as seen in the shared memory of cluster block `rank`
+__device__ __forceinline__ unsigned dsmem_addr(const void* p, unsigned rank) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(p);
+  unsigned r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(s), "r"(rank));
+  return r;
+}
+__device__ __forceinline__ int4 ld_dsmem16(unsigned a) {
+  int4 v;
+  asm volatile("ld.shared::cluster.v4.s32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
+  return v;
+}
+__device__ __forceinline__ unsigned cluster_rank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+// a piece of N elements (a multiple of 16 bytes) from cluster shared address `a`
+template <int N, typename E>
+__device__ __forceinline__ void ld_dsmem_piece(E (&out)[N], unsigned a) {
+  constexpr int NB = N * (int)sizeof(E);
+  static_assert(NB % 16 == 0, "whole 16-byte pieces");
+  union { int4 q[NB / 16]; E v[N]; } u;
+#pragma unroll
+  for (int j = 0; j < NB / 16; ++j) u.q[j] = ld_dsmem16(a + 16 * j);
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = u.v[i];
+}
+// every thread of every block of the cluster: writes before it are visible to reads after it
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n"
+               "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+#endif
+
 // one element of 4 or 8 bytes (2-byte elements are copied synchronously)
 template <typename E>
 __device__ __forceinline__ void cp_elem(E* dst, const E* src) {

@@ -67,8 +67,19 @@ struct FwdStage {
   }
 };
 
+// Experiment (benchmarks/fwd_ab.py only, -DSDM_FWD_CLUSTER=ntile): the ntile blocks of one
+// (b, p) form a thread-block cluster; block `rank` gathers whole rows for the tokens
+// t = rank (mod ntile), computes their X, Y and snapshots over the full width with the same
+// per-column arithmetic, and the blocks read their tile's pieces (w0, Y, kept rows) from the
+// owners' shared memory. Traps unless every tile is whole and C is a multiple of ntile.
+#ifdef SDM_FWD_CLUSTER
+#define SDM_FWD_CLUSTER_ATTR __cluster_dims__(SDM_FWD_CLUSTER, 1, 1)
+#else
+#define SDM_FWD_CLUSTER_ATTR
+#endif
+
 template <typename T, typename V, typename A, typename I, int Q, int N>
-__global__ void __launch_bounds__(512)
+__global__ void __launch_bounds__(512) SDM_FWD_CLUSTER_ATTR
 sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restrict__ aw,
                const V* __restrict__ vals, const A* __restrict__ beta,
                const I* __restrict__ ri, const A* __restrict__ cw,
@@ -93,6 +104,12 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
   const bool rowcp = false;
 #else
   const bool rowcp = fast && keep && Q <= 1;
+#endif
+#ifdef SDM_FWD_CLUSTER
+  constexpr int CL = SDM_FWD_CLUSTER;
+  if (!(rowcp && !fuse && ntile == CL && TW * CL == hd && C % CL == 0 &&
+        (int)cluster_rank() == tile))
+    __trap();
 #endif
 
   extern __shared__ __align__(16) unsigned char smem[];
@@ -222,6 +239,114 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
     // loaded into registers meanwhile, and X and the snapshots are then read from shared
     // memory: same entries, same order, so the same bits as the register gather.
     const int TP = L * NPC, total = TP * WS;
+#ifdef SDM_FWD_CLUSTER
+    if (true) {
+      const int rank = tile, NP = hd / N;
+      const int LO = (L - rank + CL - 1) / CL;   // owned tokens t = rank + lt * CL < L
+      T* full_w = keep_s;   // their write rows, whole: [LO * W][hd]
+      A* Y_full = Y_s;      // their Y, whole: [LO][hd]
+      A* X_full = U_s;      // their w0, whole: [LO][hd]
+      const T* bank_f = bank + (long long)b * S * D + p * hd;
+      for (int i = threadIdx.x; i < LO * W * NP; i += blockDim.x) {
+        const int le = i / NP, cc = (i - le * NP) * N, lt = le / W, w = le - lt * W;
+        const I id = g.wid[(rank + lt * CL) * W + w];
+        cp_async_row(full_w + (long long)le * hd + cc,
+                     bank_f + (long long)(valid_id(id, S) ? id : 0) * D + cc);
+      }
+      cp_commit();
+      const int totalo = LO * NP * WS;
+      for (int base = 0; base < totalo; base += blockDim.x) {
+        const int task = base + threadIdx.x, ws = task % WS, tp = task / WS;
+        const bool act = task < totalo;
+        const int lt = tp / NP, cc = (tp % NP) * N, t = rank + lt * CL;
+        A y[N];
+#pragma unroll
+        for (int i = 0; i < N; ++i) y[i] = A(0);
+        if (act) {
+          int w = ws;
+          for (; w + (GR - 1) * WS < W; w += GR * WS) {
+            T mr[GR][N];
+            bool okr[GR];
+#pragma unroll
+            for (int j = 0; j < GR; ++j) {
+              const I jd = g.rid[t * W + w + j * WS];
+              okr[j] = valid_id(jd, S);
+              load_row<N>(mr[j], bank_f + (long long)(okr[j] ? jd : 0) * D + cc);
+            }
+#pragma unroll
+            for (int j = 0; j < GR; ++j) {
+              const A c = g.cw[t * W + w + j * WS];
+#pragma unroll
+              for (int i = 0; i < N; ++i) y[i] = okr[j] ? fma_(c, to_acc(mr[j][i], A()), y[i]) : y[i];
+            }
+          }
+          for (; w < W; w += WS) {
+            const I jd = g.rid[t * W + w];
+            const bool okr = valid_id(jd, S);
+            T mr[N];
+            load_row<N>(mr, bank_f + (long long)(okr ? jd : 0) * D + cc);
+            const A c = g.cw[t * W + w];
+#pragma unroll
+            for (int i = 0; i < N; ++i) y[i] = okr ? fma_(c, to_acc(mr[i], A()), y[i]) : y[i];
+          }
+        }
+        for (int o = 1; o < WS; o <<= 1) {
+#pragma unroll
+          for (int i = 0; i < N; ++i) y[i] = add_(y[i], __shfl_xor_sync(0xffffffffu, y[i], o));
+        }
+        if (act && ws == 0) {
+#pragma unroll
+          for (int i = 0; i < N; ++i) Y_full[lt * hd + cc + i] = y[i];
+        }
+      }
+      cp_wait<0>();
+      __syncthreads();
+      for (int base = 0; base < totalo; base += blockDim.x) {
+        const int task = base + threadIdx.x, ws = task % WS, tp = task / WS;
+        const bool act = task < totalo;
+        const int lt = tp / NP, cc = (tp % NP) * N, t = rank + lt * CL;
+        const long long tok = tokb + (long long)t * P;
+        A x[N];
+#pragma unroll
+        for (int i = 0; i < N; ++i) x[i] = A(0);
+        if (act) {
+          for (int w = ws; w < W; w += WS) {
+            const int e = t * W + w;
+            const bool ok = valid_id(g.wid[e], S);
+            const A a = g.aw[e];
+            T m[N];
+            load_raw<N>(m, full_w + ((long long)lt * W + w) * hd + cc, N, true);
+#pragma unroll
+            for (int i = 0; i < N; ++i) {
+              m[i] = ok ? m[i] : From<T>::cvt(0.0f);
+              x[i] = ok ? fma_(a, to_acc(m[i], A()), x[i]) : x[i];
+            }
+            if (save) save_piece<Q, A>(snap + (tok * W + w) * hd + cc, m, N, true);
+          }
+        }
+        for (int o = 1; o < WS; o <<= 1) {
+#pragma unroll
+          for (int i = 0; i < N; ++i) x[i] = add_(x[i], __shfl_xor_sync(0xffffffffu, x[i], o));
+        }
+        if (act && ws == 0) {   // w0 = beta (v - X), over the whole width
+          const A bt = g.beta[t];
+          const V* vr = vals + ((long long)b * T_ + t0 + t) * D + p * hd + cc;
+#pragma unroll
+          for (int i = 0; i < N; ++i)
+            X_full[lt * hd + cc + i] = mul_(bt, sub_(to_acc(vr[i], A()), x[i]));
+        }
+      }
+      cluster_sync();   // every owner's w0, Y and rows are in place
+      for (int task = threadIdx.x; task < L * NPC; task += blockDim.x) {
+        const int t = task / NPC, cc = (task % NPC) * N;
+        A xv[N];
+        ld_dsmem_piece<N>(xv, dsmem_addr(X_full + (t / CL) * hd + c0 + cc, t % CL));
+#pragma unroll
+        for (int i = 0; i < N; ++i) X_s[t * TWP + cc + i] = xv[i];
+      }
+      cluster_sync();   // the owners' U_s (X_full) is free again
+    } else
+#endif
     if (rowcp) {
       for (int i = threadIdx.x; i < Ne * NPC; i += blockDim.x) {
         const int e = divNPC.div(i), cc = (i - e * NPC) * N;
@@ -461,8 +586,12 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
     for (int task = threadIdx.x; task < L * NPC; task += blockDim.x) {
       const int t = task / NPC, cc = (task % NPC) * N, nv = min(N, tw - cc);
       A r[N];
+#ifdef SDM_FWD_CLUSTER
+      ld_dsmem_piece<N>(r, dsmem_addr(Y_s + (t / CL) * hd + c0 + cc, t % CL));
+#else
 #pragma unroll
       for (int i = 0; i < N; ++i) r[i] = Y_s[t * TWP + cc + i];
+#endif
       for (int k = g.ptr[C + t], ke = g.ptr[C + t + 1]; k < ke; ++k) {
         const int tau = ec[k];
         const A h = ev[k];
@@ -492,7 +621,15 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
         if ((g.wrun[e] & (W_HEAD | W_BAD)) != W_HEAD) continue;
         const int cc = (task - e * NPC) * N;
         T kr[N];
+#ifdef SDM_FWD_CLUSTER
+        {
+          const int te = divW.div(e), w = e - te * W;
+          ld_dsmem_piece<N>(kr, dsmem_addr(keep_s + ((long long)(te / CL) * W + w) * hd + c0 + cc,
+                                           te % CL));
+        }
+#else
         load_raw<N>(kr, keep_s + (long long)e * TWP + cc, N, true);
+#endif
         A m[N];
 #pragma unroll
         for (int i = 0; i < N; ++i) m[i] = to_acc(kr[i], A());
@@ -526,7 +663,11 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
         }
       }
     }
+#ifdef SDM_FWD_CLUSTER
+    cluster_sync();   // the owners' rows and Y are read: the next chunk may overwrite them
+#else
     __syncthreads();
+#endif
   }
 }
 
