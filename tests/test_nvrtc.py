@@ -68,3 +68,15 @@ def test_forward_compiles_for_sm75_without_cp_async():
                                                    names, arch="sm_75")
         assert len(lowered) == len(names) and len(cubin) > 0
         assert "warning" not in log.lower(), log[:3000]
+
+
+def test_forward_cluster_experiment_compiles_for_sm90():
+    """The forward's compile-time experiment (-DSDM_FWD_CLUSTER=8: the 8 column tiles of a
+    (b, p) share their row gathers through distributed shared memory; benchmarks/fwd_ab.py
+    only) still compiles, for the bf16 instances it was measured with."""
+    key = (_build.BFLOAT16, _build.BFLOAT16, _build.I32)
+    names = _build._names("fwd", key)
+    log, lowered, cubin = _build.nvrtc_compile(
+        "fwd", _build.source("fwd"), (*_build.options(), "-DSDM_FWD_CLUSTER=8"), names)
+    assert len(lowered) == len(names) and len(cubin) > 0
+    assert "warning" not in log.lower(), log[:3000]
