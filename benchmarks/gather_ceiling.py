@@ -24,7 +24,7 @@ import numpy as np
 
 import cupy as cp
 
-from bench_gpu import copy_bandwidth, floors, make_inputs
+from bench_gpu import copy_bandwidth, floors, make_inputs, timeit
 
 SRC = r"""
 __device__ __forceinline__ uint4 ld_row(const uint4* p) {
@@ -105,17 +105,7 @@ def main():
             kern((blocks,), (threads,), (bank, wi, ri, v, snap, out, np.int64(ntok), np.int32(T),
                                          np.int32(P), np.int32(NP), np.int32(W), np.int64(S),
                                          np.int32(ntile), np.int32(tile_major)))
-        for _ in range(3):
-            call()
-        ts = []
-        for _ in range(args.reps):
-            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-            e0.record()
-            call()
-            e1.record()
-            e1.synchronize()
-            ts.append(cp.cuda.get_elapsed_time(e0, e1) * 1e-3)
-        t = float(np.median(ts))
+        t = timeit(call, reps=args.reps, warmup=3)
         rows.append((name, t * 1e3, f_fwd / t / 1e12, t / (f_fwd / bw)))
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; forward floor {f_fwd / 1e9:.3f} GB = "
           f"{f_fwd / bw * 1e3:.3f} ms")
