@@ -28,6 +28,34 @@ from sdm_cupy.kernels import _build as K
 from sdm_cupy.kernels import gpu
 
 
+def occupancy(fn, grid, threads, smem):
+    """Blocks per multiprocessor, and for a kernel with compile-time cluster dimensions the
+    clusters that can be resident at once (driver API through ctypes; "?" when unavailable)."""
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        n = ctypes.c_int()
+        r = cuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            ctypes.byref(n), ctypes.c_void_p(fn.ptr), ctypes.c_int(threads), ctypes.c_size_t(smem))
+        text = f"{n.value} blocks per SM" if r == 0 else f"blocks per SM: error {r}"
+
+        class LaunchConfig(ctypes.Structure):
+            _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint),
+                        ("gridDimZ", ctypes.c_uint), ("blockDimX", ctypes.c_uint),
+                        ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                        ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                        ("attrs", ctypes.c_void_p), ("numAttrs", ctypes.c_uint)]
+
+        cfg = LaunchConfig(int(grid), 1, 1, int(threads), 1, 1, int(smem), None, None, 0)
+        r = cuda.cuOccupancyMaxActiveClusters(ctypes.byref(n), ctypes.c_void_p(fn.ptr),
+                                              ctypes.byref(cfg))
+        # without cluster dimensions the driver counts single blocks as clusters
+        return text + (f", {n.value} clusters at once" if r == 0 else f", clusters: error {r}")
+    except Exception as exc:  # noqa: BLE001
+        return f"? ({type(exc).__name__}: {exc})"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("variants", nargs="+")
@@ -42,9 +70,10 @@ def main():
                          "snapshots) is bitwise the first variant's, from the same bank")
     ap.add_argument("--smem-pre", action="append", default=[], metavar="LABEL=BYTES",
                     help="pre-pass shared memory of a variant whose layout differs from gpu._smem's")
+    ap.add_argument("--C", type=int, default=64, help="chunk size")
     args = ap.parse_args()
     gpu.THREADS = args.threads
-    B, T, P, hd, S, C = 4, 4096, 8, 128, 16384, 64
+    B, T, P, hd, S, C = 4, 4096, 8, 128, 16384, args.C
     bank, wi, ww, v, beta, ri, rw, dr = make_inputs(B, T, P, hd, S, args.W)
     cfg = sdm.SDMConfig(num_memory_slots=S, num_parallel=P, chunk_size=C)
     source, options, plan = K.source, K.options, gpu.plan
@@ -102,11 +131,26 @@ def main():
                   f"snapshots): {same}", flush=True)
         bank[...] = bank0
         del ref, outs, bank0
+    launches = {}
+    launch = gpu._launch
+
+    def record(src, key, name, grid, smem, a, threads=None):
+        if src == "fwd":
+            launches[current[0]] = (K.get_function(src, key, name), grid, threads or gpu.THREADS,
+                                    smem)
+        return launch(src, key, name, grid, smem, a, threads)
+
+    gpu._launch, current = record, [None]
     for var in variants:   # compile and warm each
+        current[0] = var[0]
         select(var)
         call()
         call()
+    gpu._launch = launch
     cp.cuda.Device().synchronize()
+    for label, (fn, grid, threads, smem) in launches.items():
+        print(f"{label}: forward grid {grid} x {threads} threads, {smem} B shared memory: "
+              f"{occupancy(fn, grid, threads, smem)}", flush=True)
     times = {var[0]: [] for var in variants}
     for _ in range(args.reps):
         for var in variants:
