@@ -33,9 +33,7 @@ def text_sections(cubin: bytes) -> dict:
 def source_at(rev: str, src: str) -> str:
     def show(path):
         return subprocess.check_output(["git", "show", f"{rev}:{path}"], text=True)
-    body = show(f"kernels/{K.SOURCES[src]}")
-    header = show(f"kernels/{K._HEADER}").replace("#pragma once\n", "")
-    return body.replace(f'#include "{K._HEADER}"', header)
+    return K.inline_header(show(f"kernels/{K.SOURCES[src]}"), show(f"kernels/{K._HEADER}"))
 
 
 def main():

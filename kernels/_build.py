@@ -44,11 +44,13 @@ def source(name: str) -> str:
         return inline_header(f.read())
 
 
-def inline_header(text: str) -> str:
-    """A kernel source's text with the shared header in place of its ``#include``."""
-    with open(os.path.join(_HERE, _HEADER)) as f:
-        header = f.read().replace("#pragma once\n", "")
-    return text.replace(f'#include "{_HEADER}"', header)
+def inline_header(text: str, header: str | None = None) -> str:
+    """A kernel source's text with the shared header (``header``'s text, else the file's) in
+    place of its ``#include``."""
+    if header is None:
+        with open(os.path.join(_HERE, _HEADER)) as f:
+            header = f.read()
+    return text.replace(f'#include "{_HEADER}"', header.replace("#pragma once\n", ""))
 
 
 @functools.lru_cache(maxsize=None)
