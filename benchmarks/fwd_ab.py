@@ -37,7 +37,7 @@ def occupancy(fn, grid, threads, smem):
         cuda = ctypes.CDLL("libcuda.so.1")
         n = ctypes.c_int()
         r = cuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(
-            ctypes.byref(n), ctypes.c_void_p(fn.ptr), ctypes.c_int(threads), ctypes.c_size_t(smem))
+            ctypes.byref(n), ctypes.c_void_p(fn.kernel.ptr), ctypes.c_int(threads), ctypes.c_size_t(smem))
         text = f"{n.value} blocks per SM" if r == 0 else f"blocks per SM: error {r}"
 
         class LaunchConfig(ctypes.Structure):
@@ -48,7 +48,7 @@ def occupancy(fn, grid, threads, smem):
                         ("attrs", ctypes.c_void_p), ("numAttrs", ctypes.c_uint)]
 
         cfg = LaunchConfig(int(grid), 1, 1, int(threads), 1, 1, int(smem), None, None, 0)
-        r = cuda.cuOccupancyMaxActiveClusters(ctypes.byref(n), ctypes.c_void_p(fn.ptr),
+        r = cuda.cuOccupancyMaxActiveClusters(ctypes.byref(n), ctypes.c_void_p(fn.kernel.ptr),
                                               ctypes.byref(cfg))
         # without cluster dimensions the driver counts single blocks as clusters
         return text + (f", {n.value} clusters at once" if r == 0 else f", clusters: error {r}")

@@ -25,8 +25,16 @@ def main():
     ap.add_argument("--threads", type=int, default=None, help="forward block size (gpu.THREADS)")
     ap.add_argument("--fuse-threads", type=int, default=None,
                     help="block size of the one-token forward (gpu.FUSE_THREADS)")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="a launcher knob of kernels/gpu.py (an integer or None), e.g. "
+                         "PIPELINE=1; repeatable")
     args = ap.parse_args()
     from sdm_cupy.kernels import gpu
+    for item in args.set:
+        name, _, value = item.partition("=")
+        if not hasattr(gpu, name):
+            raise SystemExit(f"kernels/gpu.py has no knob {name}")
+        setattr(gpu, name, None if value == "None" else int(value))
     if args.fuse_threads:
         gpu.FUSE_THREADS = args.fuse_threads
     if args.threads:

@@ -78,8 +78,17 @@ struct FwdStage {
 #define SDM_FWD_CLUSTER_ATTR
 #endif
 
+// benchmarks: -DSDM_FWD_LB=384 -DSDM_FWD_MINB=2 caps the registers so that two 384-thread
+// blocks fit a multiprocessor (the launch must then use at most SDM_FWD_LB threads)
+#ifndef SDM_FWD_LB
+#define SDM_FWD_LB 512
+#endif
+#ifndef SDM_FWD_MINB
+#define SDM_FWD_MINB 1
+#endif
+
 template <typename T, typename V, typename A, typename I, int Q, int N>
-__global__ void __launch_bounds__(512) SDM_FWD_CLUSTER_ATTR
+__global__ void __launch_bounds__(SDM_FWD_LB, SDM_FWD_MINB) SDM_FWD_CLUSTER_ATTR
 sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restrict__ aw,
                const V* __restrict__ vals, const A* __restrict__ beta,
                const I* __restrict__ ri, const A* __restrict__ cw,
@@ -668,6 +677,284 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
 #else
     __syncthreads();
 #endif
+  }
+}
+
+// ---- the pipelined forward -----------------------------------------------------------------
+// The fast path (every piece of the tile whole and aligned, exact or bf16 snapshots, chunks
+// of more than one token) with the gathers of chunk n+1 in flight for the whole of chunk n.
+// The row buffers are double: chunk n+1's write and read rows are copied (cp.async) into the
+// other pair at the start of chunk n, before chunk n's scatter rewrites the rows it writes. A
+// row of chunk n+1 whose slot chunk n writes is then replaced, once the copies have landed, by
+// the new row that chunk n's scatter left in its own buffer (the head entry's row, found
+// through a hash table of chunk n's written slots). So every row is M0 of its chunk, bit for
+// bit, and X, Y, the snapshots, the readings and the bank are those of sdm_fwd_kernel (same
+// entries, same order of operations). The ids run two chunks ahead (a ring of three), the rest
+// of the stage one chunk ahead.
+__device__ __forceinline__ unsigned slot_hash(long long id, int hbits) {
+  const unsigned x = (unsigned)id ^ (unsigned)((unsigned long long)id >> 32);
+  return (x * 0x9E3779B1u) >> (32 - hbits);
+}
+
+template <typename T, typename V, typename A, typename I, int Q, int N>
+__global__ void __launch_bounds__(SDM_FWD_LB, SDM_FWD_MINB)
+sdm_fwd_pipe_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restrict__ aw,
+                    const V* __restrict__ vals, const A* __restrict__ beta,
+                    const I* __restrict__ ri, const A* __restrict__ cw,
+                    const int* __restrict__ sp_ptr, const unsigned char* __restrict__ sp_col,
+                    const A* __restrict__ sp_val, const int* __restrict__ wrun_g,
+                    V* __restrict__ out, typename Snap<T, Q>::type* __restrict__ snap,
+                    int T_, int P, int hd, int W, long long S, int C, int Nt, int TW, int ntile,
+                    int save, int vecmask, int CS, int hbits) {
+  static_assert(Q <= 1, "the 1-byte snapshot modes need a row's absmax first");
+  const int tile = blockIdx.x % ntile, bp = blockIdx.x / ntile, p = bp % P, b = bp / P;
+  const int D = P * hd, c0 = tile * TW, tw = min(TW, hd - c0);
+  const int NPC = tw / N, TWP = ((TW + N - 1) / N) * N, TVP = (TWP + 7) & ~7;
+  const bool vo = vecmask & 4, v16 = vecmask & 32;
+  constexpr int NV = 16 / sizeof(V);
+  const int HS = 1 << hbits, CW = C * W;
+
+  // layout (kernels/gpu.py's _smem mirrors it): two stages (their id arrays unused), w0 / Y /
+  // u, three chunks' write and read ids, two pairs of write and read rows, two hash tables
+  extern __shared__ __align__(16) unsigned char smem[];
+  FwdStage<T, V, A, I> st;
+  const long long stage_bytes = st.carve(smem, C, W, TVP) - smem;
+  unsigned char* sp = smem + 2 * stage_bytes;
+  A* X_s = reinterpret_cast<A*>(sp);  sp += r16((long long)C * TWP * sizeof(A));  // w0
+  A* Y_s = reinterpret_cast<A*>(sp);  sp += r16((long long)C * TWP * sizeof(A));
+  A* U_s = reinterpret_cast<A*>(sp);  sp += r16((long long)C * TWP * sizeof(A));
+  I* ids = reinterpret_cast<I*>(sp);  sp += 6 * r16((long long)CW * sizeof(I));
+  const long long id_step = r16((long long)CW * sizeof(I)) / sizeof(I);
+  T* rows = reinterpret_cast<T*>(sp); sp += 4 * (long long)CW * TWP * sizeof(T);
+  unsigned long long* htab = reinterpret_cast<unsigned long long*>(sp);   // [2][HS]
+  auto wid_of = [&](int n) { return ids + (2 * (n % 3)) * id_step; };
+  auto rid_of = [&](int n) { return ids + (2 * (n % 3) + 1) * id_step; };
+  auto wrow_of = [&](int n) { return rows + (long long)(2 * (n & 1)) * CW * TWP; };
+  auto rrow_of = [&](int n) { return rows + (long long)(2 * (n & 1) + 1) * CW * TWP; };
+
+  T* bank_b = bank + (long long)b * S * D + p * hd + c0;
+  const FastDiv divW(W), divNPC(NPC);
+  const int E_cap = min(E_STAGE, C * C);
+
+  auto stage = [&](int n) {
+    FwdStage<T, V, A, I> g;
+    g.carve(smem + (n & 1) * stage_bytes, C, W, TVP);
+    return g;
+  };
+  auto fetch_ids = [&](int n) {   // chunk n's write and read ids (no commit)
+    const int t0 = n * C, L = min(C, T_ - t0);
+    const long long tokb = ((long long)b * T_ + t0) * P + p;
+    cp_rows(wid_of(n), wi + tokb * W, L, W, (long long)P * W);
+    cp_rows(rid_of(n), ri + tokb * W, L, W, (long long)P * W);
+  };
+  auto prefetch = [&](int n) {   // chunk n's other bank-independent data (no commit)
+    const FwdStage<T, V, A, I> g = stage(n);
+    const int t0 = n * C, L = min(C, T_ - t0), Ne = L * W;
+    const long long chunk = (long long)bp * Nt + n;
+    const long long tokb = ((long long)b * T_ + t0) * P + p;
+    cp_rows(g.aw, aw + tokb * W, L, W, (long long)P * W);
+    cp_rows(g.cw, cw + tokb * W, L, W, (long long)P * W);
+    for (int j = threadIdx.x; j < L; j += blockDim.x) cp_elem(g.beta + j, beta + tokb + (long long)j * P);
+    cp_rows(g.wrun, wrun_g + chunk * C * W, 1, Ne, 0);
+    cp_rows(g.ptr, sp_ptr + chunk * (2 * C + 1), 1, 2 * C + 1, 0);
+    cp_rows(g.ev, sp_val + chunk * C * C, 1, E_cap, 0);
+    cp_rows(g.ec, sp_col + chunk * CS, 1, (int)r16(E_cap), 0);
+    const V* vrow = vals + ((long long)b * T_ + t0) * D + p * hd + c0;
+    if (v16) {
+      const int pcs = tw / NV;
+      for (int i = threadIdx.x; i < L * pcs; i += blockDim.x) {
+        const int tt = i / pcs, j = (i % pcs) * NV;
+        cp_async<16>(g.val + tt * TVP + j, vrow + (long long)tt * D + j);
+      }
+    } else {
+      for (int i = threadIdx.x; i < L * tw; i += blockDim.x) {
+        const int tt = i / tw, j = i % tw;
+        cp_elem(g.val + tt * TVP + j, vrow + (long long)tt * D + j);
+      }
+    }
+  };
+  // chunk n's write and read rows of the tile, as the bank holds them now (one commit group)
+  auto gather = [&](int n) {
+    const I* wd = wid_of(n);
+    const I* rd_ = rid_of(n);
+    T* wr = wrow_of(n);
+    T* rr = rrow_of(n);
+    const int Ne = min(C, T_ - n * C) * W, np = Ne * NPC;
+    for (int i = threadIdx.x; i < 2 * np; i += blockDim.x) {
+      const bool rd = i >= np;
+      const int k = rd ? i - np : i, e = divNPC.div(k), cc = (k - e * NPC) * N;
+      const I id = rd ? rd_[e] : wd[e];
+      cp_async_row((rd ? rr : wr) + (long long)e * TWP + cc,
+                   bank_b + (long long)(valid_id(id, S) ? id : 0) * D + cc);
+    }
+    cp_commit();
+  };
+
+  int WS = 1;
+  while (WS < WS_MAX && WS * 2 <= W) WS *= 2;
+
+  for (int i = threadIdx.x; i < 2 * HS; i += blockDim.x) htab[i] = 0ull;
+  fetch_ids(0);
+  if (Nt > 1) fetch_ids(1);
+  prefetch(0);
+  cp_commit();
+  cp_wait<0>();
+  __syncthreads();
+  gather(0);
+  for (int n = 0; n < Nt; ++n) {
+    const FwdStage<T, V, A, I> g = stage(n);
+    const I* wid = wid_of(n);
+    const I* rid = rid_of(n);
+    T* wrow = wrow_of(n);
+    T* rrow = rrow_of(n);
+    const T* prow = wrow_of(n + 1);   // chunk n - 1's write rows: its heads hold the new rows
+    const int t0 = n * C, L = min(C, T_ - t0), Ne = L * W;
+    const long long chunk = (long long)bp * Nt + n;
+    const long long tokb = ((long long)b * T_ + t0) * P + p;
+    unsigned long long* hcur = htab + (n & 1) * HS;        // this chunk's written slots
+    unsigned long long* hprev = htab + ((n + 1) & 1) * HS;  // the previous chunk's
+    // the stage of chunk n + 1 and the ids of chunk n + 2: their buffers were released by the
+    // barrier that ended chunk n - 1
+    if (n + 1 < Nt) prefetch(n + 1);
+    if (n + 2 < Nt) fetch_ids(n + 2);
+    cp_commit();
+    cp_wait<1>();   // this chunk's rows, its stage and chunk n + 1's ids
+    __syncthreads();
+    // rows of slots that chunk n - 1 wrote: its new rows; this chunk's written slots into the
+    // other table (cleared during chunk n - 1)
+    for (int i = threadIdx.x; i < 2 * Ne; i += blockDim.x) {
+      const bool rd = i >= Ne;
+      const int e = rd ? i - Ne : i;
+      const I id = rd ? rid[e] : wid[e];
+      if (!valid_id(id, S)) continue;
+      const unsigned long long key = (unsigned long long)((long long)id + 1) << 16;
+      if (n > 0) {
+        for (unsigned h = slot_hash(id, hbits);; h = (h + 1) & (HS - 1)) {
+          const unsigned long long v = hprev[h];
+          if (v == 0ull) break;
+          if ((v & ~0xFFFFull) == key) {
+            T* dst = (rd ? rrow : wrow) + (long long)e * TWP;
+            const T* src = prow + (long long)(v & 0xFFFFull) * TWP;
+            for (int cc = 0; cc < NPC * N; cc += N) {
+              T m[N];
+              load_raw<N>(m, src + cc, N, true);
+              store_raw<N>(dst + cc, m, N, true);
+            }
+            break;
+          }
+        }
+      }
+      if (!rd && (g.wrun[e] & (W_HEAD | W_BAD)) == W_HEAD) {
+        for (unsigned h = slot_hash(id, hbits);; h = (h + 1) & (HS - 1))
+          if (atomicCAS(hcur + h, 0ull, key | (unsigned long long)e) == 0ull) break;
+      }
+    }
+    __syncthreads();
+    if (n + 1 < Nt) gather(n + 1);   // into chunk n - 1's buffers, read by the loop above
+    const int nnz = g.ptr[2 * C];
+    const A* ev = nnz <= E_STAGE ? g.ev : sp_val + chunk * C * C;
+    const unsigned char* ec = nnz <= E_STAGE ? g.ec : sp_col + chunk * CS;
+    // X, Y and the snapshots, from shared memory (same order as sdm_fwd_kernel)
+    const int total = L * NPC * WS;
+    for (int base = 0; base < total; base += blockDim.x) {
+      const int task = base + threadIdx.x, ws = task % WS, tp = task / WS;
+      const bool act = task < total;
+      const int t = tp / NPC, cc = (tp % NPC) * N;
+      const long long tok = tokb + (long long)t * P;
+      A x[N], y[N];
+#pragma unroll
+      for (int i = 0; i < N; ++i) { x[i] = A(0); y[i] = A(0); }
+      if (act) {
+        for (int w = ws; w < W; w += WS) {
+          const int e = t * W + w;
+          const bool ok = valid_id(wid[e], S), okr = valid_id(rid[e], S);
+          const A a = g.aw[e], c = g.cw[e];
+          T m[N], mr[N];
+          load_raw<N>(m, wrow + (long long)e * TWP + cc, N, true);
+          load_raw<N>(mr, rrow + (long long)e * TWP + cc, N, true);
+#pragma unroll
+          for (int i = 0; i < N; ++i) {
+            m[i] = ok ? m[i] : From<T>::cvt(0.0f);
+            x[i] = ok ? fma_(a, to_acc(m[i], A()), x[i]) : x[i];
+            y[i] = okr ? fma_(c, to_acc(mr[i], A()), y[i]) : y[i];
+          }
+          if (save) save_piece<Q, A>(snap + (tok * W + w) * hd + c0 + cc, m, N, true);
+        }
+      }
+      for (int o = 1; o < WS; o <<= 1) {
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+          x[i] = add_(x[i], __shfl_xor_sync(0xffffffffu, x[i], o));
+          y[i] = add_(y[i], __shfl_xor_sync(0xffffffffu, y[i], o));
+        }
+      }
+      if (act && ws == 0) {   // w0 = beta (v - X)
+        const A bt = g.beta[t];
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+          X_s[t * TWP + cc + i] = mul_(bt, sub_(to_acc(g.val[t * TVP + cc + i], A()), x[i]));
+          Y_s[t * TWP + cc + i] = y[i];
+        }
+      }
+    }
+    for (int i = threadIdx.x; i < HS; i += blockDim.x) hprev[i] = 0ull;   // for chunk n + 1
+    __syncthreads();
+    // u = Ainv w0 (unit diagonal last, as a sum in ascending tau)
+    for (int task = threadIdx.x; task < L * NPC; task += blockDim.x) {
+      const int t = task / NPC, cc = (task % NPC) * N;
+      A u[N];
+#pragma unroll
+      for (int i = 0; i < N; ++i) u[i] = A(0);
+      for (int k = g.ptr[t], ke = g.ptr[t + 1]; k < ke; ++k) {
+        const int tau = ec[k];
+        const A a = ev[k];
+#pragma unroll
+        for (int i = 0; i < N; ++i) u[i] = fma_(a, X_s[tau * TWP + cc + i], u[i]);
+      }
+#pragma unroll
+      for (int i = 0; i < N; ++i) U_s[t * TWP + cc + i] = add_(u[i], X_s[t * TWP + cc + i]);
+    }
+    __syncthreads();
+    // readings r = Y + H u
+    for (int task = threadIdx.x; task < L * NPC; task += blockDim.x) {
+      const int t = task / NPC, cc = (task % NPC) * N;
+      A r[N];
+#pragma unroll
+      for (int i = 0; i < N; ++i) r[i] = Y_s[t * TWP + cc + i];
+      for (int k = g.ptr[C + t], ke = g.ptr[C + t + 1]; k < ke; ++k) {
+        const int tau = ec[k];
+        const A h = ev[k];
+#pragma unroll
+        for (int i = 0; i < N; ++i) r[i] = fma_(h, U_s[tau * TWP + cc + i], r[i]);
+      }
+      store_piece<N>(out + ((long long)b * T_ + t0 + t) * D + p * hd + c0 + cc, r, N, vo);
+    }
+    // scatter: each written slot's head entry rewrites the row once (its run's a u added in
+    // ascending entry order) and leaves the new row in its write-row buffer for chunk n + 1
+    for (int task = threadIdx.x; task < Ne * NPC; task += blockDim.x) {
+      const int e = divNPC.div(task);
+      if ((g.wrun[e] & (W_HEAD | W_BAD)) != W_HEAD) continue;
+      const int cc = (task - e * NPC) * N;
+      T kr[N];
+      load_raw<N>(kr, wrow + (long long)e * TWP + cc, N, true);
+      A m[N];
+#pragma unroll
+      for (int i = 0; i < N; ++i) m[i] = to_acc(kr[i], A());
+      for (int q = e;;) {
+        const A a2 = g.aw[q];
+        const int t2 = divW.div(q);
+#pragma unroll
+        for (int i = 0; i < N; ++i) m[i] = fma_(a2, U_s[t2 * TWP + cc + i], m[i]);
+        const int nx = g.wrun[q] & W_NEXT;
+        if (nx == 0) break;
+        q = nx - 1;
+      }
+#pragma unroll
+      for (int i = 0; i < N; ++i) kr[i] = From<T>::cvt(m[i]);
+      store_raw<N>(bank_b + (long long)wid[e] * D + cc, kr, N, true);
+      store_raw<N>(wrow + (long long)e * TWP + cc, kr, N, true);
+    }
+    __syncthreads();
   }
 }
 
