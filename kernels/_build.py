@@ -125,11 +125,6 @@ def fwd_name(bank, vk, idx, q: int) -> str:
             f"{vec_width(bank)}>")
 
 
-def fwd_pipe_name(bank, vk, idx, q: int) -> str:
-    """The pipelined forward (exact or bf16 snapshots only)."""
-    return fwd_name(bank, vk, idx, q).replace("sdm_fwd_kernel", "sdm_fwd_pipe_kernel")
-
-
 def bwd_name(bank, vk, gt, idx, q: int) -> str:
     acc = compute_dtype(bank, vk)
     return (f"sdm::sdm_bwd_kernel<{_t(bank)},{_t(vk)},{_t(acc)},{_t(gt)},{_t(idx)},{q},"
@@ -158,9 +153,7 @@ def _names(src: str, key: tuple) -> list:
         return list(batch_names(bank))
     bank, vk, idx = key
     if src == "fwd":
-        return ([fwd_name(bank, vk, idx, QUANT_CODE[m]) for m in quant_modes(bank)]
-                + [fwd_pipe_name(bank, vk, idx, QUANT_CODE[m]) for m in quant_modes(bank)
-                   if QUANT_CODE[m] <= 1])
+        return [fwd_name(bank, vk, idx, QUANT_CODE[m]) for m in quant_modes(bank)]
     return [bwd_name(bank, vk, gt, idx, QUANT_CODE[m])
             for gt in grad_dtypes(bank, vk) for m in quant_modes(bank)]
 

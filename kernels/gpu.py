@@ -24,7 +24,8 @@ Process-wide settings the kernels read (a graph runner keys on ``settings()``):
 ``KEEP_ROWS`` (None: automatic) whether the forward keeps its gathered rows in shared memory,
 ``FUSE_THREADS`` (None: automatic) the block size of one-token (decoding) forwards,
 ``BWD_TILE_WIDTH`` (None: automatic) the backward's tile width, ``BWD_SCRATCH`` the backward's
-pre-pass scratch per range of chunks.
+pre-pass scratch per range of chunks, ``FWD_CHUNK`` (None: no bound) an upper bound of the
+forward's internal chunk (benchmarks).
 """
 
 from __future__ import annotations
@@ -53,9 +54,6 @@ TILE_WIDTH = None           # override of the column-tile width (tests and bench
 KEEP_ROWS = None            # forward keeps gathered write rows in shared memory (None: when
                             # that still lets two blocks share a multiprocessor)
 KEEP_SMEM = 110 * 1024      # shared memory per block under which two blocks fit an SM (H100/H200)
-PIPELINE = False            # the forward's fast path with chunk n+1's gathers in flight while
-                            # chunk n computes (kernels/sdm_fwd.cu, sdm_fwd_pipe_kernel) where
-                            # its shared memory fits
 FWD_CHUNK = None            # upper bound of the forward's internal chunk (None: 64, 32 for
                             # double; benchmarks)
 E_STAGE = 512               # CSR entries staged per chunk (kernels/sdm_fwd.cu)
@@ -72,7 +70,7 @@ _ERRORS = {1: "write_idx values must lie in [0, num_memory_slots)",
 def settings() -> tuple:
     """The process-wide knobs the kernels read (part of a graph runner's key)."""
     return (TILE_WIDTH, THREADS, KEEP_ROWS, PREPASS_THREADS, BWD_THREADS, FUSE_THREADS,
-            BWD_TILE_WIDTH, BWD_SCRATCH, PIPELINE, FWD_CHUNK)
+            BWD_TILE_WIDTH, BWD_SCRATCH, FWD_CHUNK)
 
 
 # ---- the device error word ------------------------------------------------------------------
@@ -130,8 +128,6 @@ class Plan:
     seg: int            # chunks per range of the backward (its pre-pass scratch)
     smem_bwd_snap: int = 0   # the backward with its chunk's exact snapshot rows staged in
                              # shared memory (0: they do not fit beside the rest)
-    smem_pipe: int = 0       # the pipelined forward (0: not used)
-    hbits: int = 0           # log2 of its hash tables' size
 
 
 def _device_limits():
@@ -171,17 +167,13 @@ def _smem(C, W, TW, N, acc_size, quant, idx_size=4, val_size=4, bank_size=4):
              + _r16(cw * 4) + _r16(E_STAGE))
     fwd = 2 * stage + 3 * _r16(C * twp * acc_size) + (_r16(cw * 4) if quant else 0)
     fwd_keep = fwd + cw * twp * bank_size
-    # sdm_fwd_pipe_kernel: the stage, w0 / Y / u, a ring of three chunks' ids, two pairs of
-    # row buffers, two hash tables
-    pipe = (2 * stage + 3 * _r16(C * twp * acc_size) + 6 * _r16(cw * idx_size)
-            + 4 * cw * twp * bank_size + 2 * 8 * m2)
     npt = twp // N
     bstage = (2 * _r16(cw * acc_size) + _r16(C * acc_size) + _r16(BE_STAGE * acc_size)
               + 2 * _r16(cw * idx_size) + 2 * _r16(C * tvp * val_size) + _r16((4 * C + 1) * 4)
               + _r16(2 * cw * 4) + _r16(cw * 4) + _r16(BE_STAGE))
     bwd = (2 * bstage + 5 * _r16(C * twp * acc_size) + 2 * _r16(cw * npt * acc_size)
            + C * npt * acc_size)
-    return pre, fwd, fwd_keep, bwd, pipe
+    return pre, fwd, fwd_keep, bwd
 
 
 def _tile_width(lay: Layout, N: int, nsm: int, per_sm: int = 2, backward: bool = False) -> int:
@@ -223,7 +215,7 @@ def plan(lay: Layout, config, *, quant=None, limits=None, backward=False) -> Pla
     sizes = dict(idx_size=np.dtype(lay.index_dtype).itemsize, val_size=vk.itemsize,
                  bank_size=np.dtype(lay.bank_dtype).itemsize)
     while True:
-        pre, fwd, fwd_keep, bwd, pipe = _smem(C, lay.W, TW, N, acc.itemsize,
+        pre, fwd, fwd_keep, bwd = _smem(C, lay.W, TW, N, acc.itemsize,
                                         quant in ("fp8_e4m3", "int8"), **sizes)
         need = max(pre, fwd) if TW == lay.hd and quant in ("fp8_e4m3", "int8") else max(pre, fwd, bwd)
         if need <= smem_max or C == 1:
@@ -247,13 +239,9 @@ def plan(lay: Layout, config, *, quant=None, limits=None, backward=False) -> Pla
     bwd_snap = _r16(bwd) + C * lay.W * (-(-TW // N) * N) * np.dtype(lay.bank_dtype).itemsize
     if bwd_snap > (smem_max if bwd_per_sm == 1 else min(smem_max, KEEP_SMEM)):
         bwd_snap = 0
-    use_pipe = (PIPELINE and not backward and C > 1 and quant in (None, "bf16")
-                and pipe <= smem_max)
     return Plan(C=C, Nt=Nt, TW=TW, ntile=ntile, N=N, smem_pre=pre,
                 smem_fwd=fwd_keep if keep else fwd, smem_bwd=bwd, keep=keep,
-                CS=_r16((2 if backward else 1) * C * C), seg=seg, smem_bwd_snap=bwd_snap,
-                smem_pipe=pipe if use_pipe else 0,
-                hbits=(2 * C * lay.W - 1).bit_length() if use_pipe else 0)
+                CS=_r16((2 if backward else 1) * C * C), seg=seg, smem_bwd_snap=bwd_snap)
 
 
 def check_config(lay: Layout, config) -> None:
@@ -372,17 +360,6 @@ def sdm_fwd(lay: Layout, config, bank, write_idx, write_w, values, beta, read_id
     threads = THREADS
     if fuse:   # one token: its gather has NPC * WS tasks (kernels/sdm_fwd.cu)
         threads = FUSE_THREADS or _fuse_threads(-(-pl.TW // N), lay.W)
-    fast = bool(vecmask & 1) and (bool(vecmask & 8) or not save_snapshots)
-    if pl.smem_pipe and fast and not fuse:
-        _launch("fwd", key, K.fwd_pipe_name(lay.bank_dtype, vk, lay.index_dtype, q),
-                lay.B * lay.P * pl.ntile, pl.smem_pipe,
-                (bank, write_idx, write_w, v, beta, read_idx, read_w, sp_ptr, sp_col, sp_val,
-                 wrun, out, snap, np.int32(lay.T), np.int32(lay.P), np.int32(lay.hd),
-                 np.int32(lay.W), np.int64(lay.S), np.int32(pl.C), np.int32(pl.Nt),
-                 np.int32(pl.TW), np.int32(pl.ntile), np.int32(int(save_snapshots)),
-                 np.int32(vecmask), np.int32(pl.CS), np.int32(pl.hbits)), threads)
-        readings = out if vk == lay.value_dtype else out.astype(lay.value_dtype)
-        return readings, ((snap, scale) if save_snapshots else None)
     _launch("fwd", key, K.fwd_name(lay.bank_dtype, vk, lay.index_dtype, q),
             lay.B * lay.P * pl.ntile, pl.smem_fwd,
             (bank, write_idx, write_w, v, beta, read_idx, read_w, sp_ptr, sp_col, sp_val, wrun,
