@@ -67,7 +67,8 @@ def main():
     ap.add_argument("--backward", action="store_true", help="time forward + backward")
     ap.add_argument("--check", action="store_true",
                     help="first check that every variant's forward (readings, final bank, "
-                         "snapshots) is bitwise the first variant's, from the same bank")
+                         "snapshots; with --backward also the gradients and the rewound bank) "
+                         "is bitwise the first variant's, from the same bank")
     ap.add_argument("--smem-pre", action="append", default=[], metavar="LABEL=BYTES",
                     help="pre-pass shared memory of a variant whose layout differs from gpu._smem's")
     ap.add_argument("--C", type=int, default=64, help="chunk size")
@@ -121,6 +122,10 @@ def main():
             snaps = res.saved.snapshots
             snaps = snaps if isinstance(snaps, (tuple, list)) else (snaps,)
             outs = [res.readings.copy(), bank.copy()] + [x.copy() for x in snaps if x is not None]
+            if args.backward:   # and the gradients, and the rewound bank
+                grads = sdm.backward(res.saved, dr)
+                outs += [getattr(grads, f.name).copy() for f in dataclasses.fields(grads)
+                         if getattr(grads, f.name) is not None] + [bank.copy()]
             del res
             if ref is None:
                 ref = outs
@@ -128,7 +133,8 @@ def main():
             same = [bool(cp.array_equal(a.view(cp.uint8), b.view(cp.uint8)))
                     for a, b in zip(ref, outs)]
             print(f"{var[0]}: bitwise equal to {variants[0][0]} (readings, final bank, "
-                  f"snapshots): {same}", flush=True)
+                  f"snapshots{', gradients, rewound bank' if args.backward else ''}): {same}",
+                  flush=True)
         bank[...] = bank0
         del ref, outs, bank0
     launches = {}

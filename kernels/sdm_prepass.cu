@@ -26,8 +26,14 @@
 
 namespace sdm {
 
-constexpr unsigned long long KEY_BAD = 1ull << 40;   // slot key of an out-of-range id
 constexpr int QBITS = 14;                           // 2 * C * W <= 8192 < 2^14
+// Sort keys are (slot << QBITS) | entry, 64-bit in general; 32-bit when S <= KEY32_MAX_S (half
+// the shared-memory traffic, shuffles and compares of the sort; the same order, so the same
+// outputs). An out-of-range id gets the slot KeyBad<K>, above every valid slot.
+template <typename K> struct KeyBad;
+template <> struct KeyBad<unsigned long long> { static constexpr unsigned long long v = 1ull << 40; };
+template <> struct KeyBad<unsigned> { static constexpr unsigned v = (1u << (32 - QBITS)) - 1; };
+constexpr long long KEY32_MAX_S = (1ll << (32 - QBITS)) - 1;
 constexpr int RUN_HEAD = 1 << 30, RUN_BAD = 1 << 29, QMASK = (1 << QBITS) - 1;
 
 constexpr int WRUN_HEAD = 1 << 16, WRUN_BAD = 1 << 17;
@@ -35,8 +41,9 @@ constexpr int WRUN_HEAD = 1 << 16, WRUN_BAD = 1 << 17;
 
 // One compare-exchange step (k, j) of a bitonic sort for the element at index i (value x)
 // whose partner i ^ j (j < 32) sits in lane ^ j of the same warp.
-__device__ __forceinline__ unsigned long long bitonic_lane(unsigned long long x, int i, int k, int j) {
-  const unsigned long long y = __shfl_xor_sync(0xffffffffu, x, j);
+template <typename K>
+__device__ __forceinline__ K bitonic_lane(K x, int i, int k, int j) {
+  const K y = __shfl_xor_sync(0xffffffffu, x, j);
   const bool lower = (i & j) == 0, up = (i & k) == 0;
   return (lower == up) ? (x < y ? x : y) : (x < y ? y : x);
 }
@@ -44,16 +51,17 @@ __device__ __forceinline__ unsigned long long bitonic_lane(unsigned long long x,
 // The stages j <= 32 of merge size k (kmin = 2: every stage of a sort up to k = 64) on the
 // 64-element segments of keys[0, M2), one segment per warp at a time: lane l holds elements
 // l and l + 32, so j = 32 is within a thread and j < 32 a shuffle; no block barrier inside.
-__device__ __forceinline__ void bitonic_warp(unsigned long long* keys, int M2, int kmin, int kmax) {
+template <typename K>
+__device__ __forceinline__ void bitonic_warp(K* keys, int M2, int kmin, int kmax) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarp = blockDim.x >> 5;
   for (int base = warp * 64; base < M2; base += nwarp * 64) {
-    unsigned long long a = keys[base + lane], b = keys[base + lane + 32];
+    K a = keys[base + lane], b = keys[base + lane + 32];
     const int ia = base + lane, ib = ia + 32;
     for (int k = kmin; k <= kmax; k <<= 1) {
       for (int j = min(k >> 1, 32); j > 0; j >>= 1) {
         if (j == 32) {
           const bool up = (ia & k) == 0;
-          if ((a > b) == up) { const unsigned long long t = a; a = b; b = t; }
+          if ((a > b) == up) { const K t = a; a = b; b = t; }
         } else {
           a = bitonic_lane(a, ia, k, j);
           b = bitonic_lane(b, ib, k, j);
@@ -68,7 +76,8 @@ __device__ __forceinline__ void bitonic_warp(unsigned long long* keys, int M2, i
 // Ascending bitonic sort of keys[0, M2) (M2 a power of two) by the whole block. Stages with
 // j >= 64 go through shared memory with a barrier each; the others run warp by warp in
 // registers (bitonic_warp), so a sort of 2048 keys takes 21 barriers instead of 66.
-__device__ void sort_keys(unsigned long long* keys, int M2) {
+template <typename K>
+__device__ void sort_keys(K* keys, int M2) {
 #ifdef SDM_PREPASS_PLAIN_SORT   // benchmarks: every stage through shared memory, for comparison
   if (true) {
 #else
@@ -79,7 +88,7 @@ __device__ void sort_keys(unsigned long long* keys, int M2) {
         for (int i = threadIdx.x; i < M2; i += blockDim.x) {
           const int ixj = i ^ j;
           if (ixj > i) {
-            const unsigned long long x = keys[i], y = keys[ixj];
+            const K x = keys[i], y = keys[ixj];
             if ((x > y) == ((i & k) == 0)) { keys[i] = y; keys[ixj] = x; }
           }
         }
@@ -95,7 +104,7 @@ __device__ void sort_keys(unsigned long long* keys, int M2) {
       for (int i = threadIdx.x; i < M2; i += blockDim.x) {
         const int ixj = i ^ j;
         if (ixj > i) {
-          const unsigned long long x = keys[i], y = keys[ixj];
+          const K x = keys[i], y = keys[ixj];
           if ((x > y) == ((i & k) == 0)) { keys[i] = y; keys[ixj] = x; }
         }
       }
@@ -106,13 +115,14 @@ __device__ void sort_keys(unsigned long long* keys, int M2) {
   }
 }
 
-template <typename A, typename I, int SPARSE>
-__global__ void __launch_bounds__(512)
-sdm_prepass_kernel(const I* __restrict__ wi, const A* __restrict__ aw, const I* __restrict__ ri,
-                   const A* __restrict__ cw, const A* __restrict__ beta,
-                   int T, int P, int W, long long S, int C, int n0, int nseg,
-                   A* __restrict__ sp_val, int* __restrict__ srt_g, int* __restrict__ sp_ptr,
-                   unsigned char* __restrict__ sp_col, int CS, int* err) {
+template <typename A, typename I, int SPARSE, typename K>
+__device__ __forceinline__ void
+prepass_body(const I* __restrict__ wi, const A* __restrict__ aw, const I* __restrict__ ri,
+             const A* __restrict__ cw, const A* __restrict__ beta,
+             int T, int P, int W, long long S, int C, int n0, int nseg,
+             A* __restrict__ sp_val, int* __restrict__ srt_g, int* __restrict__ sp_ptr,
+             unsigned char* __restrict__ sp_col, int CS, int* err) {
+  constexpr K KEY_BAD = KeyBad<K>::v;
   static_assert(SPARSE == 1 || SPARSE == 2, "the pre-pass has two output forms");
   const int blk = blockIdx.x;                // (b * P + p) * nseg + n - n0
   const int n = n0 + blk % nseg, bp = blk / nseg, p = bp % P, b = bp / P;
@@ -124,7 +134,7 @@ sdm_prepass_kernel(const I* __restrict__ wi, const A* __restrict__ aw, const I* 
   const int ld = C + 1;
 
   extern __shared__ __align__(16) unsigned char smem[];
-  unsigned long long* keys = reinterpret_cast<unsigned long long*>(smem);
+  K* keys = reinterpret_cast<K*>(smem);   // a region of M2max * 8 bytes whatever K is
   // layout: keys[M2max] | wq[2CW] | pos[2CW] | rm[4C] | Gs, Hs [C * ld] | Ai [C * ld]. The
   //         forward's form keeps its read slots in the upper half of keys (M2 <= M2max / 2
   //         there). keys, wq and pos are dead after step 4: Ai (first written in step 5) and
@@ -135,37 +145,37 @@ sdm_prepass_kernel(const I* __restrict__ wi, const A* __restrict__ aw, const I* 
   //         zeroed: every read of them goes through a mask or a row that was written.
   int M2max = 1;
   while (M2max < 2 * C * W) M2max <<= 1;
-  A* wq_s = reinterpret_cast<A*>(keys + M2max);   // the chunk's write weights, then its reads'
+  A* wq_s = reinterpret_cast<A*>(smem + 8 * M2max);   // the chunk's write weights, then its reads'
   int* pos = reinterpret_cast<int*>(wq_s + 2 * C * W);
   unsigned long long* rm = reinterpret_cast<unsigned long long*>(pos + 2 * C * W);
   unsigned* rm32 = reinterpret_cast<unsigned*>(rm);   // word 2r + h: columns 32h .. 32h + 31
   A* Gs = reinterpret_cast<A*>(rm + 4 * C);
   A* Hs = Gs + C * ld;
   const bool ai_dead = C * ld * (int)sizeof(A) + 16 * C <= M2max * 8 + 2 * C * W * ((int)sizeof(A) + 4);
-  A* Ai = ai_dead ? reinterpret_cast<A*>(keys) : Hs + C * ld;
-  int* rend = ai_dead ? reinterpret_cast<int*>(Ai + C * ld) : reinterpret_cast<int*>(keys);
-  unsigned long long* rslot = keys + M2max / 2;
+  A* Ai = ai_dead ? reinterpret_cast<A*>(smem) : Hs + C * ld;
+  int* rend = ai_dead ? reinterpret_cast<int*>(Ai + C * ld) : reinterpret_cast<int*>(smem);
+  K* rslot = keys + M2max / 2;   // the forward's form: M2 <= M2max / 2 keys
 
   const long long tok0 = ((long long)b * T + t0) * P + p;   // (b, t0, p) row of [B, T, P, W]
   // 1. keys
   for (int i = threadIdx.x; i < max(M2, N2); i += blockDim.x) {
-    unsigned long long key = ~0ull;
+    K key = ~K(0);
     if (i < N2) {
       const int e = i < N ? i : i - N, t = e / W, w = e % W;
       const long long off = (tok0 + (long long)t * P) * W + w;
       const I id = i < N ? wi[off] : ri[off];
       wq_s[i] = i < N ? aw[off] : cw[off];
-      unsigned long long slot;
+      K slot;
       if (valid_id(id, S)) {
-        slot = (unsigned long long)id;
+        slot = (K)id;
       } else {
         slot = KEY_BAD;
         flag_error(err, i < N ? 1 : 2);
       }
-      key = (slot << QBITS) | (unsigned long long)i;
+      key = (slot << QBITS) | (K)i;
       if (SPARSE == 1 && i >= N) rslot[i - N] = slot;
     }
-    if (i < M2) keys[i] = i < NS ? key : ~0ull;
+    if (i < M2) keys[i] = i < NS ? key : ~K(0);
   }
   for (int i = threadIdx.x; i < 4 * C; i += blockDim.x) rm[i] = 0ull;
   __syncthreads();
@@ -173,7 +183,7 @@ sdm_prepass_kernel(const I* __restrict__ wi, const A* __restrict__ aw, const I* 
   sort_keys(keys, M2);
   // 3. runs and the inverse permutation
   for (int i = threadIdx.x; i < NS; i += blockDim.x) {
-    const unsigned long long key = keys[i], slot = key >> QBITS;
+    const K key = keys[i], slot = key >> QBITS;
     const int q = (int)(key & QMASK);
     const bool head = i == 0 || (keys[i - 1] >> QBITS) != slot;
     if (SPARSE == 1) {
@@ -205,7 +215,7 @@ sdm_prepass_kernel(const I* __restrict__ wi, const A* __restrict__ aw, const I* 
     // each read entry's run of writes to its slot (binary search of the sorted writes):
     // pos[N + e] = first position | count << 16 (count 0: no write shares the slot)
     for (int e = threadIdx.x; e < N; e += blockDim.x) {
-      const unsigned long long slot = rslot[e];
+      const K slot = rslot[e];
       int code = 0;
       if (slot != KEY_BAD) {
         int lo = 0, hi = N;
@@ -245,7 +255,7 @@ sdm_prepass_kernel(const I* __restrict__ wi, const A* __restrict__ aw, const I* 
         continue;
       }
       const int ps = pos[q];
-      const unsigned long long slot = keys[ps] >> QBITS;
+      const K slot = keys[ps] >> QBITS;
       if (slot == KEY_BAD) continue;
       const A wq = wq_s[q];
       for (int p2 = ps - 1; p2 >= 0 && (keys[p2] >> QBITS) == slot; --p2) {
@@ -349,6 +359,26 @@ sdm_prepass_kernel(const I* __restrict__ wi, const A* __restrict__ aw, const I* 
       *vp++ = M[k * step];
     }
   }
+}
+
+template <typename A, typename I, int SPARSE>
+__global__ void __launch_bounds__(512)
+sdm_prepass_kernel(const I* __restrict__ wi, const A* __restrict__ aw, const I* __restrict__ ri,
+                   const A* __restrict__ cw, const A* __restrict__ beta,
+                   int T, int P, int W, long long S, int C, int n0, int nseg,
+                   A* __restrict__ sp_val, int* __restrict__ srt_g, int* __restrict__ sp_ptr,
+                   unsigned char* __restrict__ sp_col, int CS, int* err) {
+#ifdef SDM_PREPASS_KEY64   // benchmarks: 64-bit keys whatever S is, for comparison
+  constexpr bool key32 = false;
+#else
+  constexpr bool key32 = true;
+#endif
+  if (key32 && S <= KEY32_MAX_S)
+    prepass_body<A, I, SPARSE, unsigned>(wi, aw, ri, cw, beta, T, P, W, S, C, n0, nseg, sp_val,
+                                         srt_g, sp_ptr, sp_col, CS, err);
+  else
+    prepass_body<A, I, SPARSE, unsigned long long>(wi, aw, ri, cw, beta, T, P, W, S, C, n0,
+                                                   nseg, sp_val, srt_g, sp_ptr, sp_col, CS, err);
 }
 
 }  // namespace sdm

@@ -82,6 +82,23 @@ def test_backward_ranges_threads_and_tiles_match_reference(rng, monkeypatch, kno
     assert np.array_equal(rewound, pb.bank), "rewound bank differs from the initial bank"
 
 
+@pytest.mark.parametrize("S", [262143, 263144], ids=["S262143-32bit-keys", "S263144-64bit-keys"])
+def test_prepass_sort_keys_at_both_sides_of_the_32_bit_limit(rng, S):
+    """The pre-pass sorts (slot, entry) keys in 32 bits while S <= 2^18 - 1 (262143) and in
+    64 bits above: slots next to the limit, repeated within and across tokens, give the float64
+    reference's readings, final bank and gradients either way."""
+    pb = make_problem(rng, B=1, T=40, P=2, hd=4, S=S, W=4)
+    pool = np.array([S - 1, S - 2, 262142, 131072, 5] + ([262143, 262144] if S > 262144 else []))
+    pb.write_idx[...] = rng.choice(pool, size=pb.write_idx.shape)
+    pb.read_idx[...] = rng.choice(pool, size=pb.read_idx.shape)
+    pb.beta[...] = pb.beta / pb.W   # repeated slots add up in |k|^2
+    dr = rng.normal(size=pb.values.shape)
+    dM = rng.normal(size=pb.bank.shape)
+    (r, fin), grads, rewound = _run(pb, _cfg(pb, 8), dr, dM)
+    _assert_float64_reference(pb, dr, dM, r, fin, grads)
+    assert np.array_equal(rewound, pb.bank), "rewound bank differs from the initial bank"
+
+
 @pytest.mark.parametrize("tw", [None, 8, 24], ids=lambda w: f"tile{w}")
 def test_bf16_partial_pieces_match_reference(rng, tile_width, tw):
     """hd = 20 is not a multiple of the 8-element bf16 piece: masked piece loads/stores."""
@@ -135,16 +152,18 @@ def test_forward_kept_rows_and_staged_entries(rng, keep_rows, S, dtype):
 
 
 @pytest.mark.parametrize("macros", ["-DSDM_FWD_GENERAL_GATHER", "-DSDM_FWD_REG_GATHER",
-                                    "-DSDM_PREPASS_PLAIN_SORT", "-DSDM_BWD_NO_SNAP_STAGE",
+                                    "-DSDM_PREPASS_PLAIN_SORT", "-DSDM_PREPASS_KEY64",
+                                    "-DSDM_BWD_NO_SNAP_STAGE",
                                     "-DSDM_L2_PREFETCH=0", "-DSDM_L2_PREFETCH=64"],
-                         ids=["general_gather", "register_gather", "plain_sort",
+                         ids=["general_gather", "register_gather", "plain_sort", "key64",
                               "unstaged_snapshots", "no_l2_prefetch", "l2_prefetch_64"])
 @pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
 def test_compile_time_variants_leave_results_bitwise_equal(rng, monkeypatch, macros, dtype):
     """The benchmarks' compile-time variants (the forward's general gather instead of its
     fast path for full aligned pieces; its write rows loaded through registers instead of
-    copied into shared memory with cp.async; the pre-pass's shared-memory-only sort; the
-    backward's snapshots read from global memory instead of staged; the row gathers' L2
+    copied into shared memory with cp.async; the pre-pass's shared-memory-only sort and its
+    64-bit sort keys where 32 bits suffice; the backward's snapshots read from global memory
+    instead of staged; the row gathers' L2
     prefetch size) change no bit
     of the forward (with snapshots), of the backward's exact-owner gradients (bank, values)
     or of the rewound bank."""

@@ -46,8 +46,10 @@ class CudaEnv:
     @contextlib.contextmanager
     def on(self, stream):
         # work queued on the legacy stream (the test's inputs) is done before a
-        # non-blocking stream reads it
-        self.cupy.cuda.Device().synchronize()
+        # non-blocking stream reads it. Not a device-wide synchronize: another thread may be
+        # capturing on its own stream, and a device sync would invalidate that capture (and
+        # fail here); the legacy stream has no implicit tie to non-blocking streams.
+        self.cupy.cuda.Stream.null.synchronize()
         with stream:
             yield stream
 
