@@ -78,6 +78,16 @@ struct FwdStage {
 #define SDM_FWD_CLUSTER_ATTR
 #endif
 
+#ifdef SDM_FWD_CLEAN
+// row offset of a slot id known to lie in [0, S): unsigned arithmetic (one wide multiply for
+// 32-bit ids instead of a sign extension and a 64-bit product)
+template <typename I>
+__device__ __forceinline__ unsigned long long row_off(I id, int D) {
+  if constexpr (sizeof(I) == 4) return (unsigned long long)(unsigned)id * (unsigned)D;
+  else return (unsigned long long)id * (unsigned long long)(unsigned)D;
+}
+#endif
+
 template <typename T, typename V, typename A, typename I, int Q, int N>
 __global__ void __launch_bounds__(512) SDM_FWD_CLUSTER_ATTR
 sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restrict__ aw,
@@ -220,14 +230,25 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
           const int nz = h != A(0);
           g.ptr[0] = 0;
           g.ptr[1] = 0;
+#ifdef SDM_FWD_CLEAN
+          g.ptr[2] = nz | 1 << 30;   // the checked path (this chunk's ids were not all seen)
+#else
           g.ptr[2] = nz;
+#endif
           g.ev[0] = h;
           g.ec[0] = 0;
         }
       }
       __syncthreads();
     }
+#ifdef SDM_FWD_CLEAN
+    // experiment: a chunk whose ids are all in [0, S) (bit 30 of its entry count clear) takes
+    // the gathers without the per-entry validity selects; same operations on valid entries
+    const bool clean = (g.ptr[2 * C] >> 30) == 0;
+    const int nnz = g.ptr[2 * C] & ~(1 << 30);
+#else
     const int nnz = g.ptr[2 * C];
+#endif
     const A* ev = nnz <= E_STAGE ? g.ev : sp_val + chunk * C * C;
     const unsigned char* ec = nnz <= E_STAGE ? g.ec : sp_col + chunk * CS;
 
@@ -362,6 +383,30 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
         A y[N];
 #pragma unroll
         for (int i = 0; i < N; ++i) y[i] = A(0);
+#ifdef SDM_FWD_CLEAN
+        if (act && clean) {
+          int w = ws;
+          for (; w + (GR - 1) * WS < W; w += GR * WS) {
+            T mr[GR][N];
+#pragma unroll
+            for (int j = 0; j < GR; ++j)
+              load_row<N>(mr[j], bank_b + row_off(g.rid[t * W + w + j * WS], D) + cc);
+#pragma unroll
+            for (int j = 0; j < GR; ++j) {
+              const A c = g.cw[t * W + w + j * WS];
+#pragma unroll
+              for (int i = 0; i < N; ++i) y[i] = fma_(c, to_acc(mr[j][i], A()), y[i]);
+            }
+          }
+          for (; w < W; w += WS) {
+            T mr[N];
+            load_row<N>(mr, bank_b + row_off(g.rid[t * W + w], D) + cc);
+            const A c = g.cw[t * W + w];
+#pragma unroll
+            for (int i = 0; i < N; ++i) y[i] = fma_(c, to_acc(mr[i], A()), y[i]);
+          }
+        } else
+#endif
         if (act) {
           int w = ws;
           for (; w + (GR - 1) * WS < W; w += GR * WS) {
@@ -409,6 +454,19 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
         A x[N];
 #pragma unroll
         for (int i = 0; i < N; ++i) x[i] = A(0);
+#ifdef SDM_FWD_CLEAN
+        if (act && clean) {
+          for (int w = ws; w < W; w += WS) {
+            const int e = t * W + w;
+            const A a = g.aw[e];
+            T m[N];
+            load_raw<N>(m, keep_s + (long long)e * TWP + cc, N, true);
+#pragma unroll
+            for (int i = 0; i < N; ++i) x[i] = fma_(a, to_acc(m[i], A()), x[i]);
+            if (save) save_piece<Q, A>(snap + (tok * W + w) * hd + c0 + cc, m, N, true);
+          }
+        } else
+#endif
         if (act) {
           for (int w = ws; w < W; w += WS) {
             const int e = t * W + w;

@@ -178,7 +178,17 @@ prepass_body(const I* __restrict__ wi, const A* __restrict__ aw, const I* __rest
     if (i < M2) keys[i] = i < NS ? key : ~K(0);
   }
   for (int i = threadIdx.x; i < 4 * C; i += blockDim.x) rm[i] = 0ull;
+#ifdef SDM_FWD_CLEAN   // experiment: the forward's form marks a chunk with a bad id (below)
+  bool bad_here = false;
+  for (int i = threadIdx.x; i < N2; i += blockDim.x) {
+    const int e = i < N ? i : i - N, t = e / W, w = e % W;
+    bad_here |= !valid_id(i < N ? wi[(tok0 + (long long)t * P) * W + w]
+                                : ri[(tok0 + (long long)t * P) * W + w], S);
+  }
+  const bool chunk_bad = __syncthreads_or(bad_here) != 0;
+#else
   __syncthreads();
+#endif
   // 2. bitonic sort of M2 keys (ascending)
   sort_keys(keys, M2);
   // 3. runs and the inverse permutation
@@ -339,7 +349,12 @@ prepass_body(const I* __restrict__ wi, const A* __restrict__ aw, const I* __rest
   }
   __syncthreads();
   for (int r = threadIdx.x; r <= R; r += blockDim.x)
+#ifdef SDM_FWD_CLEAN   // bit 30 of the entry count: the chunk has an id outside [0, S)
+    sp_ptr[(long long)blk * (R + 1) + r] =
+        (r ? rend[r - 1] : 0) | (SPARSE == 1 && r == R && chunk_bad ? 1 << 30 : 0);
+#else
     sp_ptr[(long long)blk * (R + 1) + r] = r ? rend[r - 1] : 0;
+#endif
   for (int i = threadIdx.x; i < 2 * R; i += blockDim.x) {
     const int r = i >> 1, h = i & 1;
     const unsigned long long m64 = rm[r];

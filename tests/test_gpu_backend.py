@@ -154,9 +154,11 @@ def test_forward_kept_rows_and_staged_entries(rng, keep_rows, S, dtype):
 @pytest.mark.parametrize("macros", ["-DSDM_FWD_GENERAL_GATHER", "-DSDM_FWD_REG_GATHER",
                                     "-DSDM_PREPASS_PLAIN_SORT", "-DSDM_PREPASS_KEY64",
                                     "-DSDM_BWD_NO_SNAP_STAGE",
-                                    "-DSDM_L2_PREFETCH=0", "-DSDM_L2_PREFETCH=64"],
+                                    "-DSDM_L2_PREFETCH=0", "-DSDM_L2_PREFETCH=64",
+                                    "-DSDM_FWD_CLEAN"],
                          ids=["general_gather", "register_gather", "plain_sort", "key64",
-                              "unstaged_snapshots", "no_l2_prefetch", "l2_prefetch_64"])
+                              "unstaged_snapshots", "no_l2_prefetch", "l2_prefetch_64",
+                              "clean_chunks"])
 @pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
 def test_compile_time_variants_leave_results_bitwise_equal(rng, monkeypatch, macros, dtype):
     """The benchmarks' compile-time variants (the forward's general gather instead of its
@@ -164,7 +166,8 @@ def test_compile_time_variants_leave_results_bitwise_equal(rng, monkeypatch, mac
     copied into shared memory with cp.async; the pre-pass's shared-memory-only sort and its
     64-bit sort keys where 32 bits suffice; the backward's snapshots read from global memory
     instead of staged; the row gathers' L2
-    prefetch size) change no bit
+    prefetch size; the forward's unchecked gathers in chunks whose ids are all valid) change
+    no bit
     of the forward (with snapshots), of the backward's exact-owner gradients (bank, values)
     or of the rewound bank."""
     from sdm_cupy.kernels import _build as K
@@ -180,6 +183,37 @@ def test_compile_time_variants_leave_results_bitwise_equal(rng, monkeypatch, mac
                             "rewound bank"), *outs):
         assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b_).view(np.uint8)), name
     assert np.array_equal(outs[0][4].view(np.uint8), pb.bank.view(np.uint8))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
+def test_clean_chunk_experiment_with_bad_ids_is_bitwise_the_default(rng, monkeypatch, dtype):
+    """-DSDM_FWD_CLEAN (an experiment, off by default): the pre-pass marks each chunk holding an
+    id outside [0, S), and the forward's gathers skip the per-entry checks in the others. With
+    bad ids in some chunks of every (b, p) and check_indices=False, the forward (readings,
+    final bank, snapshots) is bitwise the default build's, and the bad ids are reported."""
+    from sdm_cupy.kernels import _build as K
+    pb = make_problem(rng, B=2, T=150, P=2, hd=32, S=300, W=12, dtype=dtype)
+    bad_w, bad_r = pb.write_idx.copy(), pb.read_idx.copy()
+    bad_w[0, 5, 1, 3] = pb.S          # chunk 0 of (0, 1)
+    bad_r[1, 70, 0, 0] = -1           # chunk 1 of (1, 0)
+    bad_w[1, 140, 1, 11] = 10 ** 6    # chunk 2 of (1, 1)
+    bad_r[0, 100, 0, 7] = pb.S + 7    # chunk 1 of (0, 0)
+    outs = []
+    for extra in ("", "-DSDM_FWD_CLEAN"):
+        monkeypatch.setenv("SDM_CUPY_NVRTC_OPTIONS", extra)
+        monkeypatch.setattr(K, "_modules", {})   # compile again, with these options
+        x = pb.to(cp)
+        sdm.check_device_errors()
+        res = sdm.forward(x.bank, cp.asarray(bad_w), x.write_w, x.values, x.beta,
+                          cp.asarray(bad_r), x.read_w, _cfg(pb, 64), check_indices=False)
+        with pytest.raises(ValueError, match="num_memory_slots"):
+            sdm.check_device_errors()
+        snaps = res.saved.snapshots
+        snaps = snaps if isinstance(snaps, (tuple, list)) else (snaps,)
+        outs.append([to_numpy(res.readings), to_numpy(res.bank)]
+                    + [to_numpy(a) for a in snaps if a is not None])
+    for name, a, b_ in zip(("readings", "final bank", "snapshots"), *outs):
+        assert np.array_equal(a.view(np.uint8), b_.view(np.uint8)), name
 
 
 @pytest.mark.parametrize("W", [3, 40, 64, 80], ids=lambda w: f"W{w}")
