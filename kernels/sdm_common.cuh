@@ -320,6 +320,16 @@ __device__ __forceinline__ void cp_rows(E* dst, const E* src, int rows, int n, l
   }
 }
 
+#ifdef SDM_CLEAN_CHUNKS
+// Experiment (off by default): the row offset of a slot id known to lie in [0, S), in unsigned
+// arithmetic (one wide multiply for 32-bit ids instead of a sign extension and a 64-bit product)
+template <typename I>
+__device__ __forceinline__ unsigned long long row_off(I id, int D) {
+  if constexpr (sizeof(I) == 4) return (unsigned long long)(unsigned)id * (unsigned)D;
+  else return (unsigned long long)id * (unsigned long long)(unsigned)D;
+}
+#endif
+
 // n / d by a multiply: exact for 0 <= n < 2^16 and 1 <= d < 2^15 (the error n * (m - 2^32 / d)
 // / 2^32 < 2^-16 never carries past the next multiple of d); larger n divide plainly.
 struct FastDiv {

@@ -78,16 +78,6 @@ struct FwdStage {
 #define SDM_FWD_CLUSTER_ATTR
 #endif
 
-#ifdef SDM_FWD_CLEAN
-// row offset of a slot id known to lie in [0, S): unsigned arithmetic (one wide multiply for
-// 32-bit ids instead of a sign extension and a 64-bit product)
-template <typename I>
-__device__ __forceinline__ unsigned long long row_off(I id, int D) {
-  if constexpr (sizeof(I) == 4) return (unsigned long long)(unsigned)id * (unsigned)D;
-  else return (unsigned long long)id * (unsigned long long)(unsigned)D;
-}
-#endif
-
 template <typename T, typename V, typename A, typename I, int Q, int N>
 __global__ void __launch_bounds__(512) SDM_FWD_CLUSTER_ATTR
 sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restrict__ aw,
@@ -230,7 +220,7 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
           const int nz = h != A(0);
           g.ptr[0] = 0;
           g.ptr[1] = 0;
-#ifdef SDM_FWD_CLEAN
+#ifdef SDM_CLEAN_CHUNKS
           g.ptr[2] = nz | 1 << 30;   // the checked path (this chunk's ids were not all seen)
 #else
           g.ptr[2] = nz;
@@ -241,7 +231,7 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
       }
       __syncthreads();
     }
-#ifdef SDM_FWD_CLEAN
+#ifdef SDM_CLEAN_CHUNKS
     // experiment: a chunk whose ids are all in [0, S) (bit 30 of its entry count clear) takes
     // the gathers without the per-entry validity selects; same operations on valid entries
     const bool clean = (g.ptr[2 * C] >> 30) == 0;
@@ -383,7 +373,7 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
         A y[N];
 #pragma unroll
         for (int i = 0; i < N; ++i) y[i] = A(0);
-#ifdef SDM_FWD_CLEAN
+#ifdef SDM_CLEAN_CHUNKS
         if (act && clean) {
           int w = ws;
           for (; w + (GR - 1) * WS < W; w += GR * WS) {
@@ -454,7 +444,7 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
         A x[N];
 #pragma unroll
         for (int i = 0; i < N; ++i) x[i] = A(0);
-#ifdef SDM_FWD_CLEAN
+#ifdef SDM_CLEAN_CHUNKS
         if (act && clean) {
           for (int w = ws; w < W; w += WS) {
             const int e = t * W + w;

@@ -178,7 +178,7 @@ prepass_body(const I* __restrict__ wi, const A* __restrict__ aw, const I* __rest
     if (i < M2) keys[i] = i < NS ? key : ~K(0);
   }
   for (int i = threadIdx.x; i < 4 * C; i += blockDim.x) rm[i] = 0ull;
-#ifdef SDM_FWD_CLEAN   // experiment: the forward's form marks a chunk with a bad id (below)
+#ifdef SDM_CLEAN_CHUNKS   // experiment: both forms mark a chunk with a bad id (below)
   bool bad_here = false;
   for (int i = threadIdx.x; i < N2; i += blockDim.x) {
     const int e = i < N ? i : i - N, t = e / W, w = e % W;
@@ -349,9 +349,9 @@ prepass_body(const I* __restrict__ wi, const A* __restrict__ aw, const I* __rest
   }
   __syncthreads();
   for (int r = threadIdx.x; r <= R; r += blockDim.x)
-#ifdef SDM_FWD_CLEAN   // bit 30 of the entry count: the chunk has an id outside [0, S)
+#ifdef SDM_CLEAN_CHUNKS   // bit 30 of the entry count: the chunk has an id outside [0, S)
     sp_ptr[(long long)blk * (R + 1) + r] =
-        (r ? rend[r - 1] : 0) | (SPARSE == 1 && r == R && chunk_bad ? 1 << 30 : 0);
+        (r ? rend[r - 1] : 0) | (r == R && chunk_bad ? 1 << 30 : 0);
 #else
     sp_ptr[(long long)blk * (R + 1) + r] = r ? rend[r - 1] : 0;
 #endif

@@ -155,7 +155,7 @@ def test_forward_kept_rows_and_staged_entries(rng, keep_rows, S, dtype):
                                     "-DSDM_PREPASS_PLAIN_SORT", "-DSDM_PREPASS_KEY64",
                                     "-DSDM_BWD_NO_SNAP_STAGE",
                                     "-DSDM_L2_PREFETCH=0", "-DSDM_L2_PREFETCH=64",
-                                    "-DSDM_FWD_CLEAN"],
+                                    "-DSDM_CLEAN_CHUNKS"],
                          ids=["general_gather", "register_gather", "plain_sort", "key64",
                               "unstaged_snapshots", "no_l2_prefetch", "l2_prefetch_64",
                               "clean_chunks"])
@@ -166,7 +166,7 @@ def test_compile_time_variants_leave_results_bitwise_equal(rng, monkeypatch, mac
     copied into shared memory with cp.async; the pre-pass's shared-memory-only sort and its
     64-bit sort keys where 32 bits suffice; the backward's snapshots read from global memory
     instead of staged; the row gathers' L2
-    prefetch size; the forward's unchecked gathers in chunks whose ids are all valid) change
+    prefetch size; the unchecked row loads in chunks whose ids are all valid) change
     no bit
     of the forward (with snapshots), of the backward's exact-owner gradients (bank, values)
     or of the rewound bank."""
@@ -187,10 +187,11 @@ def test_compile_time_variants_leave_results_bitwise_equal(rng, monkeypatch, mac
 
 @pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
 def test_clean_chunk_experiment_with_bad_ids_is_bitwise_the_default(rng, monkeypatch, dtype):
-    """-DSDM_FWD_CLEAN (an experiment, off by default): the pre-pass marks each chunk holding an
-    id outside [0, S), and the forward's gathers skip the per-entry checks in the others. With
-    bad ids in some chunks of every (b, p) and check_indices=False, the forward (readings,
-    final bank, snapshots) is bitwise the default build's, and the bad ids are reported."""
+    """-DSDM_CLEAN_CHUNKS (an experiment, off by default): the pre-pass marks each chunk holding
+    an id outside [0, S), and the forward's and backward's row loads skip the per-entry checks
+    in the others. With bad ids in some chunks of every (b, p) and check_indices=False, the
+    forward (readings, final bank, snapshots) and the backward's exact-owner results (bank and
+    values gradients, rewound bank) are bitwise the default build's; the bad ids are reported."""
     from sdm_cupy.kernels import _build as K
     pb = make_problem(rng, B=2, T=150, P=2, hd=32, S=300, W=12, dtype=dtype)
     bad_w, bad_r = pb.write_idx.copy(), pb.read_idx.copy()
@@ -198,8 +199,9 @@ def test_clean_chunk_experiment_with_bad_ids_is_bitwise_the_default(rng, monkeyp
     bad_r[1, 70, 0, 0] = -1           # chunk 1 of (1, 0)
     bad_w[1, 140, 1, 11] = 10 ** 6    # chunk 2 of (1, 1)
     bad_r[0, 100, 0, 7] = pb.S + 7    # chunk 1 of (0, 0)
+    dr = rng.normal(size=pb.values.shape).astype(dtype)
     outs = []
-    for extra in ("", "-DSDM_FWD_CLEAN"):
+    for extra in ("", "-DSDM_CLEAN_CHUNKS"):
         monkeypatch.setenv("SDM_CUPY_NVRTC_OPTIONS", extra)
         monkeypatch.setattr(K, "_modules", {})   # compile again, with these options
         x = pb.to(cp)
@@ -210,9 +212,14 @@ def test_clean_chunk_experiment_with_bad_ids_is_bitwise_the_default(rng, monkeyp
             sdm.check_device_errors()
         snaps = res.saved.snapshots
         snaps = snaps if isinstance(snaps, (tuple, list)) else (snaps,)
-        outs.append([to_numpy(res.readings), to_numpy(res.bank)]
-                    + [to_numpy(a) for a in snaps if a is not None])
-    for name, a, b_ in zip(("readings", "final bank", "snapshots"), *outs):
+        out = [to_numpy(res.readings), to_numpy(res.bank),
+               [to_numpy(a) for a in snaps if a is not None][0]]
+        g = sdm.backward(res.saved, cp.asarray(dr))
+        with pytest.raises(ValueError, match="num_memory_slots"):
+            sdm.check_device_errors()
+        outs.append(out + [to_numpy(g.bank), to_numpy(g.values), to_numpy(res.bank)])
+    for name, a, b_ in zip(("readings", "final bank", "snapshots", "grad bank", "grad values",
+                            "rewound bank"), *outs):
         assert np.array_equal(a.view(np.uint8), b_.view(np.uint8)), name
 
 
