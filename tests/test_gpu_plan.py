@@ -95,3 +95,17 @@ def test_backward_tiles_fill_one_wave(monkeypatch, threads, per_sm):
         # doubling the tiles once more would overflow the wave or leave a tile one piece
         assert blocks <= per_sm * H200[0] or pl.ntile == 1
         assert (2 * blocks > per_sm * H200[0]) or -(-pieces // (2 * pl.ntile)) < 2
+
+
+@pytest.mark.parametrize("bound", [None, 32, 16, 1])
+def test_forward_chunk_bound_applies_to_the_forward_only(monkeypatch, bound):
+    """gpu.FWD_CHUNK (a benchmark knob, part of the graph runner's key through settings())
+    bounds the forward's internal chunk and leaves the backward's alone."""
+    monkeypatch.setattr(gpu, "FWD_CHUNK", bound)
+    lay = _layout()
+    fwd = gpu.plan(lay, _cfg(lay), limits=H200)
+    bwd = gpu.plan(lay, _cfg(lay), limits=H200, backward=True)
+    assert fwd.C == (64 if bound is None else bound)
+    assert fwd.Nt == -(-lay.T // fwd.C)
+    assert bwd.C == 64
+    assert gpu.settings()[-1] == bound
