@@ -27,7 +27,7 @@ def main():
                     help="block size of the one-token forward (gpu.FUSE_THREADS)")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                     help="a launcher knob of kernels/gpu.py (an integer or None), e.g. "
-                         "PIPELINE=1; repeatable")
+                         "FWD_CHUNK=32; repeatable")
     args = ap.parse_args()
     from sdm_cupy.kernels import gpu
     for item in args.set:

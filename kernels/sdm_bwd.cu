@@ -267,10 +267,10 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
     }
     __syncthreads();
 #ifdef SDM_CLEAN_CHUNKS
-    // experiment: a chunk whose ids are all in [0, S) (bit 30 of its entry count clear) loads
+    // experiment: a chunk whose ids are all in [0, S) (no CHUNK_BAD in its entry count) loads
     // its rows without the per-entry validity tests; same operations on valid entries
-    const bool clean = (g.ptr[4 * C] >> 30) == 0;
-    const int nnz = g.ptr[4 * C] & ~(1 << 30);
+    const bool clean = (g.ptr[4 * C] & CHUNK_BAD) == 0;
+    const int nnz = g.ptr[4 * C] & ~CHUNK_BAD;
 #else
     const int nnz = g.ptr[4 * C];
 #endif

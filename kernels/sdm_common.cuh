@@ -321,7 +321,10 @@ __device__ __forceinline__ void cp_rows(E* dst, const E* src, int rows, int n, l
 }
 
 #ifdef SDM_CLEAN_CHUNKS
-// Experiment (off by default): the row offset of a slot id known to lie in [0, S), in unsigned
+// Experiment (off by default): the bit the pre-pass sets in a chunk's CSR entry count when the
+// chunk holds an id outside [0, S); the kernels take their unchecked row loads in the others
+constexpr int CHUNK_BAD = 1 << 30;
+// the row offset of a slot id known to lie in [0, S), in unsigned
 // arithmetic (one wide multiply for 32-bit ids instead of a sign extension and a 64-bit product)
 template <typename I>
 __device__ __forceinline__ unsigned long long row_off(I id, int D) {

@@ -221,7 +221,7 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
           g.ptr[0] = 0;
           g.ptr[1] = 0;
 #ifdef SDM_CLEAN_CHUNKS
-          g.ptr[2] = nz | 1 << 30;   // the checked path (this chunk's ids were not all seen)
+          g.ptr[2] = nz | CHUNK_BAD;   // the checked path (this chunk's ids were not all seen)
 #else
           g.ptr[2] = nz;
 #endif
@@ -232,10 +232,10 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
       __syncthreads();
     }
 #ifdef SDM_CLEAN_CHUNKS
-    // experiment: a chunk whose ids are all in [0, S) (bit 30 of its entry count clear) takes
+    // experiment: a chunk whose ids are all in [0, S) (no CHUNK_BAD in its entry count) takes
     // the gathers without the per-entry validity selects; same operations on valid entries
-    const bool clean = (g.ptr[2 * C] >> 30) == 0;
-    const int nnz = g.ptr[2 * C] & ~(1 << 30);
+    const bool clean = (g.ptr[2 * C] & CHUNK_BAD) == 0;
+    const int nnz = g.ptr[2 * C] & ~CHUNK_BAD;
 #else
     const int nnz = g.ptr[2 * C];
 #endif
