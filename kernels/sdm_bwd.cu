@@ -266,14 +266,7 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
       cp_wait<0>();
     }
     __syncthreads();
-#ifdef SDM_CLEAN_CHUNKS
-    // experiment: a chunk whose ids are all in [0, S) (no CHUNK_BAD in its entry count) loads
-    // its rows without the per-entry validity tests; same operations on valid entries
-    const bool clean = (g.ptr[4 * C] & CHUNK_BAD) == 0;
-    const int nnz = g.ptr[4 * C] & ~CHUNK_BAD;
-#else
     const int nnz = g.ptr[4 * C];
-#endif
     const A* ev = nnz <= BE_STAGE ? g.ev : sp_val + chunk * 2 * C * C;
     const unsigned char* ec = nnz <= BE_STAGE ? g.ec : sp_col + chunk * CS;
     const int TP = L * NPC, total = TP * WS;
@@ -371,26 +364,6 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
           d[i] = A(0);
           r[i] = act ? to_acc(g.drv[t * TVP + cc + i], A()) : A(0);
         }
-#ifdef SDM_CLEAN_CHUNKS
-        if (act && clean) {
-#pragma unroll 2
-          for (int w = ws; w < W; w += WS) {
-            const int e = t * W + w;
-            const int lk = g.rl[e];
-            A gg[N], mr[N];
-            load_grad<N>(gg, dM_b + row_off(g.wid[e], D) + cc, N, true);
-            load_grad<N>(mr, bank_b + (lk ? 0ull : row_off(g.rid[e], D)) + cc, N, true);
-            const A a = g.aw[e];
-            A sr = A(0);
-#pragma unroll
-            for (int i = 0; i < N; ++i) {
-              d[i] = d[i] + a * gg[i];
-              sr += r[i] * mr[i];
-            }
-            if (!lk) pc_s[e * NPT + pc] = sr;
-          }
-        } else
-#endif
         if (act) {
 #pragma unroll 2
           for (int w = ws; w < W; w += WS) {
@@ -545,27 +518,6 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
                          F || vd);
           pb_s[t * NPT + pc] = sb;
         }
-#ifdef SDM_CLEAN_CHUNKS
-        if (F && sst && clean) {
-#pragma unroll 2
-          for (int w = ws; w < W; w += WS) {
-            const int e = t * W + w;
-            const unsigned long long ro = row_off(g.wid[e], D);
-            A m[N], gg[N];
-            T raw[N];
-            load_raw<N>(raw, SN_s + (long long)e * TWP + cc, N, true);
-#pragma unroll
-            for (int i = 0; i < N; ++i) m[i] = to_acc(raw[i], A());
-            load_grad<N>(gg, dM_b + ro + cc, N, true);
-            store_raw<N>(bank_b + ro + cc, raw, N, true);
-            A sa = A(0);
-#pragma unroll
-            for (int i = 0; i < N; ++i) sa += zu[i] * gg[i] + dx[i] * m[i];
-            pa_s[e * NPT + pc] = sa;
-          }
-          continue;
-        }
-#endif
 #pragma unroll 2
         for (int w = ws; w < W; w += WS) {
           const int e = t * W + w;

@@ -236,6 +236,13 @@ __device__ __forceinline__ void cp_async_row(void* dst, const void* src) {
 #endif
 }
 
+// a hint that brings `bytes` (a multiple of 16) from 16-byte aligned global `p` into L2
+__device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+
 // ---- thread-block clusters (sm_90): distributed shared memory -----------------------------
 #if __CUDA_ARCH__ >= 900
 // this block's shared address `p` as seen in the shared memory of cluster block `rank`
@@ -320,18 +327,6 @@ __device__ __forceinline__ void cp_rows(E* dst, const E* src, int rows, int n, l
   }
 }
 
-#ifdef SDM_CLEAN_CHUNKS
-// Experiment (off by default): the bit the pre-pass sets in a chunk's CSR entry count when the
-// chunk holds an id outside [0, S); the kernels take their unchecked row loads in the others
-constexpr int CHUNK_BAD = 1 << 30;
-// the row offset of a slot id known to lie in [0, S), in unsigned
-// arithmetic (one wide multiply for 32-bit ids instead of a sign extension and a 64-bit product)
-template <typename I>
-__device__ __forceinline__ unsigned long long row_off(I id, int D) {
-  if constexpr (sizeof(I) == 4) return (unsigned long long)(unsigned)id * (unsigned)D;
-  else return (unsigned long long)id * (unsigned long long)(unsigned)D;
-}
-#endif
 
 // n / d by a multiply: exact for 0 <= n < 2^16 and 1 <= d < 2^15 (the error n * (m - 2^32 / d)
 // / 2^32 < 2^-16 never carries past the next multiple of d); larger n divide plainly.

@@ -29,7 +29,10 @@ constexpr int SB = 4;        // scatter tasks per thread whose loads are in flig
 #define SDM_FWD_GU 2
 #endif
 constexpr int GU = SDM_FWD_GU;  // entries per step of the gather's fast path
-constexpr int GR = 4;           // read rows per step when the write rows go through cp.async
+#ifndef SDM_FWD_GR
+#define SDM_FWD_GR 4
+#endif
+constexpr int GR = SDM_FWD_GR;  // read rows per step when the write rows go through cp.async
 constexpr int E_STAGE = 512; // CSR entries of a chunk staged in shared memory (more: read from L2)
 constexpr int W_HEAD = 1 << 16, W_BAD = 1 << 17, W_NEXT = 0xFFFF;
 
@@ -40,6 +43,16 @@ constexpr int W_HEAD = 1 << 16, W_BAD = 1 << 17, W_NEXT = 0xFFFF;
 template <int Q, typename A, typename ST, typename T, int N>
 __device__ __forceinline__ void save_piece(ST* __restrict__ p, const T (&m)[N], int nv, bool vec) {
   if constexpr (Q == 0) {
+#ifdef SDM_SNAP_STREAM   // experiment: snapshot rows stored evict-first (they are read back
+                         // only by the backward, from DRAM), so that they displace less of L2
+    if (vec && nv == N) {
+      union { int4 q; T v[N]; } u;
+#pragma unroll
+      for (int i = 0; i < N; ++i) u.v[i] = m[i];
+      __stcs(reinterpret_cast<int4*>(p), u.q);
+      return;
+    }
+#endif
     store_raw<N>(p, m, nv, vec);
   } else if constexpr (Q == 1) {
     A mv[N];
@@ -78,8 +91,16 @@ struct FwdStage {
 #define SDM_FWD_CLUSTER_ATTR
 #endif
 
+// Experiment (benchmarks/fwd_ab.py only): -DSDM_FWD_LB="256, 3" bounds the block size and asks
+// for that many blocks per SM (a register cap); -DSDM_FWD_HEADLINE_ONLY compiles only the path
+// of the headline shape (cp.async gathers with kept rows, snapshots, the pre-pass's CSR rows) and
+// traps on any other launch, so that the register allocation follows that path alone.
+#ifndef SDM_FWD_LB
+#define SDM_FWD_LB 512
+#endif
+
 template <typename T, typename V, typename A, typename I, int Q, int N>
-__global__ void __launch_bounds__(512) SDM_FWD_CLUSTER_ATTR
+__global__ void __launch_bounds__(SDM_FWD_LB) SDM_FWD_CLUSTER_ATTR
 sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restrict__ aw,
                const V* __restrict__ vals, const A* __restrict__ beta,
                const I* __restrict__ ri, const A* __restrict__ cw,
@@ -90,6 +111,12 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
                int T_, int P, int hd, int W, long long S, int C, int Nt, int TW, int ntile,
                int save, int vecmask, int keep, int CS, int fuse, int* err) {
   typedef typename Snap<T, Q>::type ST;
+#ifdef SDM_FWD_HEADLINE_ONLY
+  if (fuse || !save || !keep || (vecmask & (1 | 8 | 32)) != (1 | 8 | 32) || Q > 1 ||
+      TW % N != 0 || hd % TW != 0)
+    __trap();
+  fuse = 0; save = 1; keep = 1; vecmask |= 1 | 8 | 32; TW = TW / N * N;
+#endif
   const int tile = blockIdx.x % ntile, bp = blockIdx.x / ntile, p = bp % P, b = bp / P;
   const int D = P * hd, c0 = tile * TW, tw = min(TW, hd - c0);
   const int NPC = (tw + N - 1) / N, TWP = ((TW + N - 1) / N) * N, TVP = (TWP + 7) & ~7;
@@ -167,6 +194,23 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
     cp_commit();
   };
 
+#ifdef SDM_FWD_AHEAD
+  // experiment: ask L2 for the whole head rows (write and read slots) of a staged chunk of Nx
+  // entries, each row by one of the ntile blocks of this (b, p), so that DRAM serves whole rows
+  // instead of the tiles' 16-byte pieces
+  auto l2_rows = [&](const FwdStage<T, V, A, I>& gx, int Nx) {
+    const T* head = bank + (long long)b * S * D + p * hd;
+    const unsigned bytes = (unsigned)hd * (unsigned)sizeof(T);
+    if (((reinterpret_cast<unsigned long long>(head) | bytes |
+          ((unsigned long long)D * sizeof(T))) & 15) != 0)
+      return;
+    for (int i = tile + ntile * threadIdx.x; i < 2 * Nx; i += ntile * blockDim.x) {
+      const I id = i < Nx ? gx.wid[i] : gx.rid[i - Nx];
+      if (valid_id(id, S)) prefetch_l2(head + (long long)id * D, bytes);
+    }
+  };
+#endif
+
   int WS = 1;
   while (WS < WS_MAX && WS * 2 <= W) WS *= 2;
 
@@ -220,25 +264,14 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
           const int nz = h != A(0);
           g.ptr[0] = 0;
           g.ptr[1] = 0;
-#ifdef SDM_CLEAN_CHUNKS
-          g.ptr[2] = nz | CHUNK_BAD;   // the checked path (this chunk's ids were not all seen)
-#else
           g.ptr[2] = nz;
-#endif
           g.ev[0] = h;
           g.ec[0] = 0;
         }
       }
       __syncthreads();
     }
-#ifdef SDM_CLEAN_CHUNKS
-    // experiment: a chunk whose ids are all in [0, S) (no CHUNK_BAD in its entry count) takes
-    // the gathers without the per-entry validity selects; same operations on valid entries
-    const bool clean = (g.ptr[2 * C] & CHUNK_BAD) == 0;
-    const int nnz = g.ptr[2 * C] & ~CHUNK_BAD;
-#else
     const int nnz = g.ptr[2 * C];
-#endif
     const A* ev = nnz <= E_STAGE ? g.ev : sp_val + chunk * C * C;
     const unsigned char* ec = nnz <= E_STAGE ? g.ec : sp_col + chunk * CS;
 
@@ -359,6 +392,9 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
     } else
 #endif
     if (rowcp) {
+#if defined(SDM_FWD_AHEAD) && SDM_FWD_AHEAD == 0
+      l2_rows(g, Ne);   // experiment: this chunk's rows, whole, just before its piece gathers
+#endif
       for (int i = threadIdx.x; i < Ne * NPC; i += blockDim.x) {
         const int e = divNPC.div(i), cc = (i - e * NPC) * N;
         const I id = g.wid[e];
@@ -373,30 +409,6 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
         A y[N];
 #pragma unroll
         for (int i = 0; i < N; ++i) y[i] = A(0);
-#ifdef SDM_CLEAN_CHUNKS
-        if (act && clean) {
-          int w = ws;
-          for (; w + (GR - 1) * WS < W; w += GR * WS) {
-            T mr[GR][N];
-#pragma unroll
-            for (int j = 0; j < GR; ++j)
-              load_row<N>(mr[j], bank_b + row_off(g.rid[t * W + w + j * WS], D) + cc);
-#pragma unroll
-            for (int j = 0; j < GR; ++j) {
-              const A c = g.cw[t * W + w + j * WS];
-#pragma unroll
-              for (int i = 0; i < N; ++i) y[i] = fma_(c, to_acc(mr[j][i], A()), y[i]);
-            }
-          }
-          for (; w < W; w += WS) {
-            T mr[N];
-            load_row<N>(mr, bank_b + row_off(g.rid[t * W + w], D) + cc);
-            const A c = g.cw[t * W + w];
-#pragma unroll
-            for (int i = 0; i < N; ++i) y[i] = fma_(c, to_acc(mr[i], A()), y[i]);
-          }
-        } else
-#endif
         if (act) {
           int w = ws;
           for (; w + (GR - 1) * WS < W; w += GR * WS) {
@@ -444,19 +456,6 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
         A x[N];
 #pragma unroll
         for (int i = 0; i < N; ++i) x[i] = A(0);
-#ifdef SDM_CLEAN_CHUNKS
-        if (act && clean) {
-          for (int w = ws; w < W; w += WS) {
-            const int e = t * W + w;
-            const A a = g.aw[e];
-            T m[N];
-            load_raw<N>(m, keep_s + (long long)e * TWP + cc, N, true);
-#pragma unroll
-            for (int i = 0; i < N; ++i) x[i] = fma_(a, to_acc(m[i], A()), x[i]);
-            if (save) save_piece<Q, A>(snap + (tok * W + w) * hd + c0 + cc, m, N, true);
-          }
-        } else
-#endif
         if (act) {
           for (int w = ws; w < W; w += WS) {
             const int e = t * W + w;
@@ -589,6 +588,13 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
       }
     }
     __syncthreads();
+#if defined(SDM_FWD_AHEAD) && SDM_FWD_AHEAD == 1
+    // experiment: on the cp.async path the wait above also completed chunk n + 1's stage, so
+    // its row ids are known: ask L2 for the rows that chunk n + 1 will gather while this chunk
+    // computes. Only a hint: the scatter's stores land in L2, so a row prefetched before chunk
+    // n rewrites it is still read new.
+    if (rowcp && n + 1 < Nt) l2_rows(stage(n + 1), min(C, T_ - t0 - C) * W);
+#endif
 
     if constexpr (Q > 1) if (save) {  // second pass over the write rows (still M0): absmax-scaled bytes
       for (int task = threadIdx.x; task < L * NPC; task += blockDim.x) {

@@ -158,9 +158,6 @@ prepass_body(const I* __restrict__ wi, const A* __restrict__ aw, const I* __rest
 
   const long long tok0 = ((long long)b * T + t0) * P + p;   // (b, t0, p) row of [B, T, P, W]
   // 1. keys
-#ifdef SDM_CLEAN_CHUNKS
-  bool bad_here = false;   // this thread met an id outside [0, S)
-#endif
   for (int i = threadIdx.x; i < max(M2, N2); i += blockDim.x) {
     K key = ~K(0);
     if (i < N2) {
@@ -174,9 +171,6 @@ prepass_body(const I* __restrict__ wi, const A* __restrict__ aw, const I* __rest
       } else {
         slot = KEY_BAD;
         flag_error(err, i < N ? 1 : 2);
-#ifdef SDM_CLEAN_CHUNKS
-        bad_here = true;
-#endif
       }
       key = (slot << QBITS) | (K)i;
       if (SPARSE == 1 && i >= N) rslot[i - N] = slot;
@@ -184,11 +178,7 @@ prepass_body(const I* __restrict__ wi, const A* __restrict__ aw, const I* __rest
     if (i < M2) keys[i] = i < NS ? key : ~K(0);
   }
   for (int i = threadIdx.x; i < 4 * C; i += blockDim.x) rm[i] = 0ull;
-#ifdef SDM_CLEAN_CHUNKS   // experiment: both forms mark a chunk with a bad id (step 6)
-  const bool chunk_bad = __syncthreads_or(bad_here) != 0;
-#else
   __syncthreads();
-#endif
   // 2. bitonic sort of M2 keys (ascending)
   sort_keys(keys, M2);
   // 3. runs and the inverse permutation
@@ -349,12 +339,7 @@ prepass_body(const I* __restrict__ wi, const A* __restrict__ aw, const I* __rest
   }
   __syncthreads();
   for (int r = threadIdx.x; r <= R; r += blockDim.x)
-#ifdef SDM_CLEAN_CHUNKS   // the entry count carries CHUNK_BAD: the chunk has an id outside [0, S)
-    sp_ptr[(long long)blk * (R + 1) + r] =
-        (r ? rend[r - 1] : 0) | (r == R && chunk_bad ? CHUNK_BAD : 0);
-#else
     sp_ptr[(long long)blk * (R + 1) + r] = r ? rend[r - 1] : 0;
-#endif
   for (int i = threadIdx.x; i < 2 * R; i += blockDim.x) {
     const int r = i >> 1, h = i & 1;
     const unsigned long long m64 = rm[r];

@@ -92,19 +92,3 @@ def test_prepass_64_bit_key_variant_compiles_for_sm90():
             names)
         assert len(lowered) == len(names) and len(cubin) > 0
         assert "warning" not in log.lower(), log[:3000]
-
-
-def test_clean_chunk_experiment_compiles_for_sm90():
-    """-DSDM_CLEAN_CHUNKS (experiment, off by default: the pre-pass marks chunks with a bad id
-    and the forward's and backward's row loads skip the per-entry checks in the others) still
-    compiles, pre-pass, forward and backward, for the bf16 and the float64/int64 instances."""
-    for src, key in (("prepass", (_build.F32, _build.I32)), ("prepass", (_build.F64, _build.I64)),
-                     ("fwd", (_build.BFLOAT16, _build.BFLOAT16, _build.I32)),
-                     ("fwd", (_build.F64, _build.F64, _build.I64)),
-                     ("bwd", (_build.BFLOAT16, _build.BFLOAT16, _build.I32)),
-                     ("bwd", (_build.F64, _build.F64, _build.I64))):
-        names = _build._names(src, key)
-        log, lowered, cubin = _build.nvrtc_compile(
-            src, _build.source(src), (*_build.options(), "-DSDM_CLEAN_CHUNKS"), names)
-        assert len(lowered) == len(names) and len(cubin) > 0
-        assert "warning" not in log.lower(), log[:3000]
