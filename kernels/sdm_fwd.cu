@@ -29,10 +29,7 @@ constexpr int SB = 4;        // scatter tasks per thread whose loads are in flig
 #define SDM_FWD_GU 2
 #endif
 constexpr int GU = SDM_FWD_GU;  // entries per step of the gather's fast path
-#ifndef SDM_FWD_GR
-#define SDM_FWD_GR 4
-#endif
-constexpr int GR = SDM_FWD_GR;  // read rows per step when the write rows go through cp.async
+constexpr int GR = 4;           // read rows per step when the write rows go through cp.async
 constexpr int E_STAGE = 512; // CSR entries of a chunk staged in shared memory (more: read from L2)
 constexpr int W_HEAD = 1 << 16, W_BAD = 1 << 17, W_NEXT = 0xFFFF;
 
@@ -43,16 +40,6 @@ constexpr int W_HEAD = 1 << 16, W_BAD = 1 << 17, W_NEXT = 0xFFFF;
 template <int Q, typename A, typename ST, typename T, int N>
 __device__ __forceinline__ void save_piece(ST* __restrict__ p, const T (&m)[N], int nv, bool vec) {
   if constexpr (Q == 0) {
-#ifdef SDM_SNAP_STREAM   // experiment: snapshot rows stored evict-first (they are read back
-                         // only by the backward, from DRAM), so that they displace less of L2
-    if (vec && nv == N) {
-      union { int4 q; T v[N]; } u;
-#pragma unroll
-      for (int i = 0; i < N; ++i) u.v[i] = m[i];
-      __stcs(reinterpret_cast<int4*>(p), u.q);
-      return;
-    }
-#endif
     store_raw<N>(p, m, nv, vec);
   } else if constexpr (Q == 1) {
     A mv[N];
@@ -91,16 +78,8 @@ struct FwdStage {
 #define SDM_FWD_CLUSTER_ATTR
 #endif
 
-// Experiment (benchmarks/fwd_ab.py only): -DSDM_FWD_LB="256, 3" bounds the block size and asks
-// for that many blocks per SM (a register cap); -DSDM_FWD_HEADLINE_ONLY compiles only the path
-// of the headline shape (cp.async gathers with kept rows, snapshots, the pre-pass's CSR rows) and
-// traps on any other launch, so that the register allocation follows that path alone.
-#ifndef SDM_FWD_LB
-#define SDM_FWD_LB 512
-#endif
-
 template <typename T, typename V, typename A, typename I, int Q, int N>
-__global__ void __launch_bounds__(SDM_FWD_LB) SDM_FWD_CLUSTER_ATTR
+__global__ void __launch_bounds__(512) SDM_FWD_CLUSTER_ATTR
 sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restrict__ aw,
                const V* __restrict__ vals, const A* __restrict__ beta,
                const I* __restrict__ ri, const A* __restrict__ cw,
@@ -111,12 +90,6 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
                int T_, int P, int hd, int W, long long S, int C, int Nt, int TW, int ntile,
                int save, int vecmask, int keep, int CS, int fuse, int* err) {
   typedef typename Snap<T, Q>::type ST;
-#ifdef SDM_FWD_HEADLINE_ONLY
-  if (fuse || !save || !keep || (vecmask & (1 | 8 | 32)) != (1 | 8 | 32) || Q > 1 ||
-      TW % N != 0 || hd % TW != 0)
-    __trap();
-  fuse = 0; save = 1; keep = 1; vecmask |= 1 | 8 | 32; TW = TW / N * N;
-#endif
   const int tile = blockIdx.x % ntile, bp = blockIdx.x / ntile, p = bp % P, b = bp / P;
   const int D = P * hd, c0 = tile * TW, tw = min(TW, hd - c0);
   const int NPC = (tw + N - 1) / N, TWP = ((TW + N - 1) / N) * N, TVP = (TWP + 7) & ~7;
@@ -166,23 +139,23 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
     const long long chunk = (long long)bp * Nt + n;
     const long long tokb = ((long long)b * T_ + t0) * P + p;
     // a token's W entries are contiguous in [B, T, P, W]: one row per token, P * W apart
-    cp_rows(g.wid, wi + tokb * W, L, W, (long long)P * W);
-    cp_rows(g.rid, ri + tokb * W, L, W, (long long)P * W);
-    cp_rows(g.aw, aw + tokb * W, L, W, (long long)P * W);
-    cp_rows(g.cw, cw + tokb * W, L, W, (long long)P * W);
+    cp_rows_pow2(g.wid, wi + tokb * W, L, W, (long long)P * W);
+    cp_rows_pow2(g.rid, ri + tokb * W, L, W, (long long)P * W);
+    cp_rows_pow2(g.aw, aw + tokb * W, L, W, (long long)P * W);
+    cp_rows_pow2(g.cw, cw + tokb * W, L, W, (long long)P * W);
     for (int j = threadIdx.x; j < L; j += blockDim.x) cp_elem(g.beta + j, beta + tokb + (long long)j * P);
     if (!fuse) {
-      cp_rows(g.wrun, wrun_g + chunk * C * W, 1, Ne, 0);
-      cp_rows(g.ptr, sp_ptr + chunk * (2 * C + 1), 1, 2 * C + 1, 0);
-      cp_rows(g.ev, sp_val + chunk * C * C, 1, E_cap, 0);
+      cp_rows_pow2(g.wrun, wrun_g + chunk * C * W, 1, Ne, 0);
+      cp_rows_pow2(g.ptr, sp_ptr + chunk * (2 * C + 1), 1, 2 * C + 1, 0);
+      cp_rows_pow2(g.ev, sp_val + chunk * C * C, 1, E_cap, 0);
       // whole 16-byte pieces: r16(E_cap) <= CS, inside the chunk's columns and the stage
-      cp_rows(g.ec, sp_col + chunk * CS, 1, (int)r16(E_cap), 0);
+      cp_rows_pow2(g.ec, sp_col + chunk * CS, 1, (int)r16(E_cap), 0);
     }
     const V* vrow = vals + ((long long)b * T_ + t0) * D + p * hd + c0;
     if (v16) {
-      const int pcs = tw / NV;
+      const int pcs = tw / NV, sh = log2_if_pow2(pcs);
       for (int i = threadIdx.x; i < L * pcs; i += blockDim.x) {
-        const int tt = i / pcs, j = (i % pcs) * NV;
+        const int tt = sh >= 0 ? i >> sh : i / pcs, j = (i - tt * pcs) * NV;
         cp_async<16>(g.val + tt * TVP + j, vrow + (long long)tt * D + j);
       }
     } else {
@@ -194,25 +167,13 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
     cp_commit();
   };
 
-#ifdef SDM_FWD_AHEAD
-  // experiment: ask L2 for the whole head rows (write and read slots) of a staged chunk of Nx
-  // entries, each row by one of the ntile blocks of this (b, p), so that DRAM serves whole rows
-  // instead of the tiles' 16-byte pieces
-  auto l2_rows = [&](const FwdStage<T, V, A, I>& gx, int Nx) {
-    const T* head = bank + (long long)b * S * D + p * hd;
-    const unsigned bytes = (unsigned)hd * (unsigned)sizeof(T);
-    if (((reinterpret_cast<unsigned long long>(head) | bytes |
-          ((unsigned long long)D * sizeof(T))) & 15) != 0)
-      return;
-    for (int i = tile + ntile * threadIdx.x; i < 2 * Nx; i += ntile * blockDim.x) {
-      const I id = i < Nx ? gx.wid[i] : gx.rid[i - Nx];
-      if (valid_id(id, S)) prefetch_l2(head + (long long)id * D, bytes);
-    }
-  };
-#endif
-
   int WS = 1;
   while (WS < WS_MAX && WS * 2 <= W) WS *= 2;
+  // -DSDM_FWD_TASK_SHIFT (experiment, off by default, not yet run on a GPU): WS is a power of
+  // two and task indices are never negative, so the gather loops split a task into (ws, tp)
+  // with a mask and a shift instead of a signed division by the runtime WS (about 20
+  // instructions per task and warp). Splitting tp by divNPC's multiply too added spills
+  // (NVRTC: 68/196 bytes of spill stores/loads against 20/76), so NPC keeps its division.
 
   prefetch(0);
   for (int n = 0; n < Nt; ++n) {
@@ -392,9 +353,6 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
     } else
 #endif
     if (rowcp) {
-#if defined(SDM_FWD_AHEAD) && SDM_FWD_AHEAD == 0
-      l2_rows(g, Ne);   // experiment: this chunk's rows, whole, just before its piece gathers
-#endif
       for (int i = threadIdx.x; i < Ne * NPC; i += blockDim.x) {
         const int e = divNPC.div(i), cc = (i - e * NPC) * N;
         const I id = g.wid[e];
@@ -403,7 +361,11 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
       }
       cp_commit();
       for (int base = 0; base < total; base += blockDim.x) {
+#ifdef SDM_FWD_TASK_SHIFT
+        const int task = base + threadIdx.x, ws = task & (WS - 1), tp = task >> (__ffs(WS) - 1);
+#else
         const int task = base + threadIdx.x, ws = task % WS, tp = task / WS;
+#endif
         const bool act = task < total;
         const int t = tp / NPC, cc = (tp % NPC) * N;
         A y[N];
@@ -449,7 +411,11 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
       cp_wait<0>();
       __syncthreads();
       for (int base = 0; base < total; base += blockDim.x) {
+#ifdef SDM_FWD_TASK_SHIFT
+        const int task = base + threadIdx.x, ws = task & (WS - 1), tp = task >> (__ffs(WS) - 1);
+#else
         const int task = base + threadIdx.x, ws = task % WS, tp = task / WS;
+#endif
         const bool act = task < total;
         const int t = tp / NPC, cc = (tp % NPC) * N;
         const long long tok = tokb + (long long)t * P;
@@ -484,7 +450,11 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
       }
     } else {
       for (int base = 0; base < total; base += blockDim.x) {
+#ifdef SDM_FWD_TASK_SHIFT
+        const int task = base + threadIdx.x, ws = task & (WS - 1), tp = task >> (__ffs(WS) - 1);
+#else
         const int task = base + threadIdx.x, ws = task % WS, tp = task / WS;
+#endif
         const bool act = task < total;
         const int t = tp / NPC, cc = (tp % NPC) * N, nv = min(N, tw - cc);
         const long long tok = tokb + (long long)t * P;
@@ -588,13 +558,6 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
       }
     }
     __syncthreads();
-#if defined(SDM_FWD_AHEAD) && SDM_FWD_AHEAD == 1
-    // experiment: on the cp.async path the wait above also completed chunk n + 1's stage, so
-    // its row ids are known: ask L2 for the rows that chunk n + 1 will gather while this chunk
-    // computes. Only a hint: the scatter's stores land in L2, so a row prefetched before chunk
-    // n rewrites it is still read new.
-    if (rowcp && n + 1 < Nt) l2_rows(stage(n + 1), min(C, T_ - t0 - C) * W);
-#endif
 
     if constexpr (Q > 1) if (save) {  // second pass over the write rows (still M0): absmax-scaled bytes
       for (int task = threadIdx.x; task < L * NPC; task += blockDim.x) {
