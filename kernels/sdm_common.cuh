@@ -382,6 +382,9 @@ struct FastDiv {
   unsigned m;
   int d;
   __device__ explicit FastDiv(int d_) : m(d_ > 1 ? (unsigned)((0x100000000ull + d_ - 1) / d_) : 0u), d(d_) {}
+  // the same divisor with its multiplier computed by the launcher (-DSDM_DIV_PARAMS): a kernel
+  // parameter lives in the constant bank, so the compiler reloads it instead of spilling it
+  __device__ FastDiv(int d_, unsigned m_) : m(m_), d(d_) {}
   __device__ __forceinline__ int div(int n) const {
     if (d == 1) return n;
     return n < 65536 && d < 32768 ? (int)__umulhi((unsigned)n, m) : n / d;

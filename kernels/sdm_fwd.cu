@@ -78,6 +78,13 @@ struct FwdStage {
 #define SDM_FWD_CLUSTER_ATTR
 #endif
 
+// -DSDM_DIV_PARAMS (experiment, off by default, not yet run on a GPU): the launcher passes the
+// multipliers of divW and divNPC (for a full tile and for the last one) as kernel parameters.
+// Stop 14's profile found the backward reloading a spilled multiplier (LDL) before each use,
+// 6.5% of its stall samples; a parameter lives in the constant bank, so the compiler reloads
+// it from there instead. NVRTC, headline instances: forward spills 20/76 -> 4/12 bytes (none
+// with -DSDM_FWD_TASK_SHIFT too), backward 32/36 -> 8/24. (Splitting the forward's tasks by
+// NPC with divNPC instead of a division, tried as well, raised the forward's to 60/212.)
 template <typename T, typename V, typename A, typename I, int Q, int N>
 __global__ void __launch_bounds__(512) SDM_FWD_CLUSTER_ATTR
 sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restrict__ aw,
@@ -88,7 +95,11 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
                V* __restrict__ out, typename Snap<T, Q>::type* __restrict__ snap,
                float* __restrict__ scale,
                int T_, int P, int hd, int W, long long S, int C, int Nt, int TW, int ntile,
-               int save, int vecmask, int keep, int CS, int fuse, int* err) {
+               int save, int vecmask, int keep, int CS, int fuse, int* err
+#ifdef SDM_DIV_PARAMS
+               , unsigned mW, unsigned mNPC, unsigned mNPC_last
+#endif
+               ) {
   typedef typename Snap<T, Q>::type ST;
   const int tile = blockIdx.x % ntile, bp = blockIdx.x / ntile, p = bp % P, b = bp / P;
   const int D = P * hd, c0 = tile * TW, tw = min(TW, hd - c0);
@@ -124,7 +135,11 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
   T* keep_s = reinterpret_cast<T*>(sp);   // C*W rows of TWP (only when keep)
 
   T* bank_b = bank + (long long)b * S * D + p * hd + c0;
+#ifdef SDM_DIV_PARAMS
+  const FastDiv divW(W, mW), divNPC(NPC, tile == ntile - 1 ? mNPC_last : mNPC);
+#else
   const FastDiv divW(W), divNPC(NPC);
+#endif
   const int E_cap = min(E_STAGE, C * C);
 
   // issue the copies of chunk n's bank-independent data into stage s (one commit group)

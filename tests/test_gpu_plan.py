@@ -109,3 +109,23 @@ def test_forward_chunk_bound_applies_to_the_forward_only(monkeypatch, bound):
     assert fwd.Nt == -(-lay.T // fwd.C)
     assert bwd.C == 64
     assert gpu.settings()[-1] == bound
+
+
+def test_div_params_experiment_passes_exact_fastdiv_multipliers(monkeypatch):
+    """-DSDM_DIV_PARAMS (experiment, off by default): the launcher passes FastDiv's multipliers
+    of W and of NPC (full tile, last tile) only when that option is among the NVRTC options, and
+    each multiplier gives the exact quotient over FastDiv's range (n < 2^16, d < 2^15)."""
+    lay = _layout(hd=100)   # TW 16 -> 7 tiles, the last one 4 columns wide: NPC 2 and 1
+    pl = gpu.plan(lay, _cfg(lay), limits=H200)
+    monkeypatch.setattr(K, "options", lambda: ("-std=c++17",))
+    assert gpu._div_params(lay, pl) == ()
+    monkeypatch.setattr(K, "options", lambda: ("-std=c++17", "-DSDM_DIV_PARAMS"))
+    npc = -(-pl.TW // pl.N)
+    npc_last = -(-(lay.hd - (pl.ntile - 1) * pl.TW) // pl.N)
+    assert npc_last < npc   # the case the second multiplier exists for
+    assert gpu._div_params(lay, pl) == (gpu._magic(lay.W), gpu._magic(npc), gpu._magic(npc_last))
+    n = np.arange(1 << 16, dtype=np.uint64)
+    for d in [2, 3, 5, 7, 12, 16, 100, 255, 1000, 4097, 32767]:
+        m = np.uint64(gpu._magic(d))
+        assert np.array_equal((n * m) >> np.uint64(32), n // np.uint64(d)), d
+    assert gpu._magic(1) == 0   # FastDiv returns n itself for d = 1

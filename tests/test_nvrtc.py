@@ -104,3 +104,20 @@ def test_task_shift_experiment_compiles_for_sm90():
             "fwd", _build.source("fwd"), (*_build.options(), "-DSDM_FWD_TASK_SHIFT"), names)
         assert len(lowered) == len(names) and len(cubin) > 0
         assert "warning" not in log.lower(), log[:3000]
+
+
+def test_div_params_experiment_compiles_for_sm90():
+    """-DSDM_DIV_PARAMS (experiment, off by default: FastDiv multipliers as kernel parameters,
+    forward and backward), alone and with -DSDM_FWD_TASK_SHIFT, still compiles without
+    warnings, for the bf16 and the float64/int64 instances."""
+    for src in ("fwd", "bwd"):
+        for key in ((_build.BFLOAT16, _build.BFLOAT16, _build.I32),
+                    (_build.F64, _build.F64, _build.I64)):
+            names = _build._names(src, key)
+            for extra in (("-DSDM_DIV_PARAMS",), ("-DSDM_DIV_PARAMS", "-DSDM_FWD_TASK_SHIFT")):
+                if src == "bwd" and len(extra) > 1:
+                    continue
+                log, lowered, cubin = _build.nvrtc_compile(
+                    src, _build.source(src), (*_build.options(), *extra), names)
+                assert len(lowered) == len(names) and len(cubin) > 0
+                assert "warning" not in log.lower(), log[:3000]
