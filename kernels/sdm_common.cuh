@@ -375,7 +375,6 @@ __device__ __forceinline__ void cp_rows_pow2(E* dst, const E* src, int rows, int
   }
 }
 
-
 // n / d by a multiply: exact for 0 <= n < 2^16 and 1 <= d < 2^15 (the error n * (m - 2^32 / d)
 // / 2^32 < 2^-16 never carries past the next multiple of d); larger n divide plainly.
 struct FastDiv {
