@@ -99,7 +99,8 @@ def main():
                 c, k = count(rows[i]), j - i + 1
                 sm = sum(val(x) for x in rows[i:j + 1])
                 print(f"  [{i}-{j}] {k} x {c / 1e6:.3f}M = {k * c / 1e6:.1f}M instructions, "
-                      f"{100 * sm / total:.1f}% of samples: {rows[i][src][:50]} ... {rows[j][src][:40]}")
+                      f"{100 * sm / total:.1f}% of samples: "
+                      f"{rows[i][src][:50]} ... {rows[j][src][:40]}")
         top = sorted(range(len(rows)), key=lambda i: -val(rows[i]))[:args.top]
         for i in sorted(top):
             ctx = " | ".join(rows[j][src][:40] for j in range(max(0, i - 2), i))
