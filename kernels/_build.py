@@ -207,33 +207,21 @@ def nvrtc_compile(src: str, text: str, opts, names, arch: str = "sm_90"):
         nvrtc.nvrtcDestroyProgram(prog)
 
 
-_modules: dict = {}   # (device, src, key) -> (cupy.RawModule, the NVRTC options it was built with)
+_modules: dict = {}
 _lock = threading.Lock()
-
-
-def _module(src: str, key: tuple) -> tuple:
-    import cupy
-    dev = cupy.cuda.Device().id
-    k = (dev, src, key)
-    entry = _modules.get(k)
-    if entry is None:
-        with _lock:
-            entry = _modules.get(k)
-            if entry is None:
-                opts = options()
-                entry = (cupy.RawModule(code=source(src), options=opts,
-                                        name_expressions=_names(src, key)), opts)
-                _modules[k] = entry
-    return entry
 
 
 def get_function(src: str, key: tuple, name: str):
     """The compiled kernel ``name`` from the lazily built module of (src, key)."""
-    return _module(src, key)[0].get_function(name)
-
-
-def module_options(src: str, key: tuple) -> tuple:
-    """The NVRTC options of the module of (src, key) on the current device (built now if it was
-    not yet): what a launch must follow when a compile-time option changes a kernel's
-    parameters, whatever ``options()`` says by then."""
-    return _module(src, key)[1]
+    import cupy
+    dev = cupy.cuda.Device().id
+    k = (dev, src, key)
+    mod = _modules.get(k)
+    if mod is None:
+        with _lock:
+            mod = _modules.get(k)
+            if mod is None:
+                mod = cupy.RawModule(code=source(src), options=options(),
+                                     name_expressions=_names(src, key))
+                _modules[k] = mod
+    return mod.get_function(name)

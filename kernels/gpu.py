@@ -274,12 +274,9 @@ def _magic(d: int) -> np.uint32:
     return np.uint32((2 ** 32 + d - 1) // d if d > 1 else 0)
 
 
-def _div_params(lay, pl, src, key) -> tuple:
-    """Extra kernel arguments of the -DSDM_DIV_PARAMS experiment (compile-time, off by
-    default): the FastDiv multipliers of W and of NPC, for a full column tile and for the last
-    one. Empty unless the module of (src, key) was built with that option."""
-    if "-DSDM_DIV_PARAMS" not in K.module_options(src, key):
-        return ()
+def _div_params(lay, pl) -> tuple:
+    """The forward's and backward's last kernel arguments: FastDiv's multipliers of W and of
+    NPC (16-byte pieces per row), for a full column tile and for the last one."""
     npc = -(-pl.TW // pl.N)
     npc_last = -(-(lay.hd - (pl.ntile - 1) * pl.TW) // pl.N)
     return _magic(lay.W), _magic(npc), _magic(npc_last)
@@ -383,7 +380,7 @@ def sdm_fwd(lay: Layout, config, bank, write_idx, write_w, values, beta, read_id
              np.int32(lay.hd), np.int32(lay.W), np.int64(lay.S), np.int32(pl.C),
              np.int32(pl.Nt), np.int32(pl.TW), np.int32(pl.ntile), np.int32(int(save_snapshots)),
              np.int32(vecmask), np.int32(int(pl.keep)), np.int32(pl.CS), np.int32(int(fuse)),
-             _err_array()) + _div_params(lay, pl, "fwd", key), threads)
+             _err_array()) + _div_params(lay, pl), threads)
     readings = out if vk == lay.value_dtype else out.astype(lay.value_dtype)
     return readings, ((snap, scale) if save_snapshots else None)
 
@@ -443,7 +440,7 @@ def sdm_bwd(lay: Layout, config, bank, inputs, snapshots, dr, dM):
                  np.int32(lay.T), np.int32(lay.P), np.int32(lay.hd), np.int32(lay.W),
                  np.int64(lay.S), np.int32(pl.C), np.int32(lo), np.int32(hi), np.int32(pl.TW),
                  np.int32(pl.ntile), np.int32(pl.CS), np.int32(vecmask), np.int32(ssnap))
-                + _div_params(lay, pl, "bwd", key), BWD_THREADS)
+                + _div_params(lay, pl), BWD_THREADS)
     if vk != lay.value_dtype:
         d_v = d_v.astype(lay.value_dtype)
     return dM, d_aw, d_v, d_beta, d_cw

@@ -149,11 +149,10 @@ struct BwdStage {
   }
 };
 
-// -DSDM_DIV_PARAMS (experiment, off by default, not yet run on a GPU; kernels/sdm_fwd.cu says
-// more): divW's and divNPC's multipliers come from kernel parameters (the constant bank)
-// instead of registers. Stop 14's profile of this kernel found a spilled multiplier reloaded
-// (LDL) before each use in the second round, 6.5% of the stall samples; NVRTC: the headline
-// instance's spills 32/36 -> 8/24 bytes.
+// mW, mNPC, mNPC_last: FastDiv's multipliers from the launcher, as in the forward. Stop 14's
+// profile found a spilled multiplier reloaded (LDL) before each use in the second round, 6.5%
+// of the stall samples; as parameters they come from the constant bank (NVRTC, headline
+// instance: spills 32/36 -> 8/24 bytes; H200: forward+backward -3.1%, stop 15).
 template <typename T, typename V, typename A, typename Gt, typename I, int Q, int N>
 __global__ void __launch_bounds__(512)
 sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restrict__ aw,
@@ -166,11 +165,8 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
                Gt* __restrict__ dM, A* __restrict__ d_aw, V* __restrict__ d_vals,
                A* __restrict__ d_beta, A* __restrict__ d_cw,
                int T_, int P, int hd, int W, long long S, int C, int n_lo, int n_hi, int TW,
-               int ntile, int CS, int vecmask, int ssnap
-#ifdef SDM_DIV_PARAMS
-               , unsigned mW, unsigned mNPC, unsigned mNPC_last
-#endif
-               ) {
+               int ntile, int CS, int vecmask, int ssnap,
+               unsigned mW, unsigned mNPC, unsigned mNPC_last) {
   typedef typename Snap<T, Q>::type ST;
   const int tile = blockIdx.x % ntile, bp = blockIdx.x / ntile, p = bp % P, b = bp / P;
   const int D = P * hd, c0 = tile * TW, tw = min(TW, hd - c0), nseg = n_hi - n_lo;
@@ -197,11 +193,7 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
 
   T* bank_b = bank + (long long)b * S * D + p * hd + c0;
   Gt* dM_b = dM + (long long)b * S * D + p * hd + c0;
-#ifdef SDM_DIV_PARAMS
   const FastDiv divW(W, mW), divNPC(NPC, tile == ntile - 1 ? mNPC_last : mNPC);
-#else
-  const FastDiv divW(W), divNPC(NPC);
-#endif
   // every piece full and every row aligned: the round trips take their plain 16-byte path
   const bool fast = vb && vs && vg && vd && tw % N == 0;
   // exact snapshots on the fast path: the chunk's snapshot rows are copied into SN_s with

@@ -376,13 +376,12 @@ __device__ __forceinline__ void cp_rows_pow2(E* dst, const E* src, int rows, int
 }
 
 // n / d by a multiply: exact for 0 <= n < 2^16 and 1 <= d < 2^15 (the error n * (m - 2^32 / d)
-// / 2^32 < 2^-16 never carries past the next multiple of d); larger n divide plainly.
+// / 2^32 < 2^-16 never carries past the next multiple of d); larger n divide plainly. The
+// multiplier m = ceil(2^32 / d) (0 for d = 1) comes from the launcher (gpu._magic) as a kernel
+// parameter: the constant bank holds it, where a register of its own would be spilled.
 struct FastDiv {
   unsigned m;
   int d;
-  __device__ explicit FastDiv(int d_) : m(d_ > 1 ? (unsigned)((0x100000000ull + d_ - 1) / d_) : 0u), d(d_) {}
-  // the same divisor with its multiplier computed by the launcher (-DSDM_DIV_PARAMS): a kernel
-  // parameter lives in the constant bank, so the compiler reloads it instead of spilling it
   __device__ FastDiv(int d_, unsigned m_) : m(m_), d(d_) {}
   __device__ __forceinline__ int div(int n) const {
     if (d == 1) return n;

@@ -78,13 +78,11 @@ struct FwdStage {
 #define SDM_FWD_CLUSTER_ATTR
 #endif
 
-// -DSDM_DIV_PARAMS (experiment, off by default, not yet run on a GPU): the launcher passes the
-// multipliers of divW and divNPC (for a full tile and for the last one) as kernel parameters.
-// Stop 14's profile found the backward reloading a spilled multiplier (LDL) before each use,
-// 6.5% of its stall samples; a parameter lives in the constant bank, so the compiler reloads
-// it from there instead. NVRTC, headline instances: forward spills 20/76 -> 4/12 bytes (none
-// with -DSDM_FWD_TASK_SHIFT too), backward 32/36 -> 8/24. (Splitting the forward's tasks by
-// NPC with divNPC instead of a division, tried as well, raised the forward's to 60/212.)
+// mW, mNPC, mNPC_last: FastDiv's multipliers of W and of NPC (a full tile, the last tile),
+// computed by the launcher. As kernel parameters they sit in the constant bank; computed here
+// they took registers that the kernel, at its 128-register cap, spilled (NVRTC, headline
+// instance: 20/76 bytes of spill stores/loads before, 4/12 now). Measured on an H200 (stop 15,
+// RESULTS.md): forward 1.391 -> 1.376 ms, forward+backward 5.136 -> 4.977 ms, bitwise equal.
 template <typename T, typename V, typename A, typename I, int Q, int N>
 __global__ void __launch_bounds__(512) SDM_FWD_CLUSTER_ATTR
 sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restrict__ aw,
@@ -95,11 +93,8 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
                V* __restrict__ out, typename Snap<T, Q>::type* __restrict__ snap,
                float* __restrict__ scale,
                int T_, int P, int hd, int W, long long S, int C, int Nt, int TW, int ntile,
-               int save, int vecmask, int keep, int CS, int fuse, int* err
-#ifdef SDM_DIV_PARAMS
-               , unsigned mW, unsigned mNPC, unsigned mNPC_last
-#endif
-               ) {
+               int save, int vecmask, int keep, int CS, int fuse, int* err,
+               unsigned mW, unsigned mNPC, unsigned mNPC_last) {
   typedef typename Snap<T, Q>::type ST;
   const int tile = blockIdx.x % ntile, bp = blockIdx.x / ntile, p = bp % P, b = bp / P;
   const int D = P * hd, c0 = tile * TW, tw = min(TW, hd - c0);
@@ -135,11 +130,7 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
   T* keep_s = reinterpret_cast<T*>(sp);   // C*W rows of TWP (only when keep)
 
   T* bank_b = bank + (long long)b * S * D + p * hd + c0;
-#ifdef SDM_DIV_PARAMS
   const FastDiv divW(W, mW), divNPC(NPC, tile == ntile - 1 ? mNPC_last : mNPC);
-#else
-  const FastDiv divW(W), divNPC(NPC);
-#endif
   const int E_cap = min(E_STAGE, C * C);
 
   // issue the copies of chunk n's bank-independent data into stage s (one commit group)
@@ -184,11 +175,6 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
 
   int WS = 1;
   while (WS < WS_MAX && WS * 2 <= W) WS *= 2;
-  // -DSDM_FWD_TASK_SHIFT (experiment, off by default, not yet run on a GPU): WS is a power of
-  // two and task indices are never negative, so the gather loops split a task into (ws, tp)
-  // with a mask and a shift instead of a signed division by the runtime WS (about 20
-  // instructions per task and warp). Splitting tp by divNPC's multiply too added spills
-  // (NVRTC: 68/196 bytes of spill stores/loads against 20/76), so NPC keeps its division.
 
   prefetch(0);
   for (int n = 0; n < Nt; ++n) {
@@ -376,11 +362,7 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
       }
       cp_commit();
       for (int base = 0; base < total; base += blockDim.x) {
-#ifdef SDM_FWD_TASK_SHIFT
-        const int task = base + threadIdx.x, ws = task & (WS - 1), tp = task >> (__ffs(WS) - 1);
-#else
         const int task = base + threadIdx.x, ws = task % WS, tp = task / WS;
-#endif
         const bool act = task < total;
         const int t = tp / NPC, cc = (tp % NPC) * N;
         A y[N];
@@ -426,11 +408,7 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
       cp_wait<0>();
       __syncthreads();
       for (int base = 0; base < total; base += blockDim.x) {
-#ifdef SDM_FWD_TASK_SHIFT
-        const int task = base + threadIdx.x, ws = task & (WS - 1), tp = task >> (__ffs(WS) - 1);
-#else
         const int task = base + threadIdx.x, ws = task % WS, tp = task / WS;
-#endif
         const bool act = task < total;
         const int t = tp / NPC, cc = (tp % NPC) * N;
         const long long tok = tokb + (long long)t * P;
@@ -465,11 +443,7 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
       }
     } else {
       for (int base = 0; base < total; base += blockDim.x) {
-#ifdef SDM_FWD_TASK_SHIFT
-        const int task = base + threadIdx.x, ws = task & (WS - 1), tp = task >> (__ffs(WS) - 1);
-#else
         const int task = base + threadIdx.x, ws = task % WS, tp = task / WS;
-#endif
         const bool act = task < total;
         const int t = tp / NPC, cc = (tp % NPC) * N, nv = min(N, tw - cc);
         const long long tok = tokb + (long long)t * P;

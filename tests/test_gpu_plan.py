@@ -111,52 +111,18 @@ def test_forward_chunk_bound_applies_to_the_forward_only(monkeypatch, bound):
     assert gpu.settings()[-1] == bound
 
 
-def test_div_params_experiment_passes_exact_fastdiv_multipliers(monkeypatch):
-    """-DSDM_DIV_PARAMS (experiment, off by default): the launcher passes FastDiv's multipliers
-    of W and of NPC (full tile, last tile) only when the kernel's module was built with that
-    option, and each multiplier gives the exact quotient over FastDiv's range (n < 2^16,
-    d < 2^15)."""
+def test_launcher_passes_exact_fastdiv_multipliers():
+    """The forward and backward get FastDiv's multipliers of W and of NPC (full tile, last
+    tile) as their last arguments, and each multiplier gives the exact quotient over FastDiv's
+    range (n < 2^16, d < 2^15)."""
     lay = _layout(hd=100)   # TW 16 -> 7 tiles, the last one 4 columns wide: NPC 2 and 1
     pl = gpu.plan(lay, _cfg(lay), limits=H200)
-    built = {}
-    monkeypatch.setattr(K, "module_options", lambda src, key: built[src, key])
-    built["fwd", "k"] = ("-std=c++17",)
-    assert gpu._div_params(lay, pl, "fwd", "k") == ()
-    built["fwd", "k"] = ("-std=c++17", "-DSDM_DIV_PARAMS")
     npc = -(-pl.TW // pl.N)
     npc_last = -(-(lay.hd - (pl.ntile - 1) * pl.TW) // pl.N)
     assert npc_last < npc   # the case the second multiplier exists for
-    assert gpu._div_params(lay, pl, "fwd", "k") == (gpu._magic(lay.W), gpu._magic(npc),
-                                                      gpu._magic(npc_last))
+    assert gpu._div_params(lay, pl) == (gpu._magic(lay.W), gpu._magic(npc), gpu._magic(npc_last))
     n = np.arange(1 << 16, dtype=np.uint64)
     for d in [2, 3, 5, 7, 12, 16, 100, 255, 1000, 4097, 32767]:
         m = np.uint64(gpu._magic(d))
         assert np.array_equal((n * m) >> np.uint64(32), n // np.uint64(d)), d
     assert gpu._magic(1) == 0   # FastDiv returns n itself for d = 1
-
-
-def test_a_module_keeps_the_options_it_was_built_with(monkeypatch):
-    """K.module_options answers with the NVRTC options a module was built with, not with what
-    options() says later: a launch whose arguments depend on a compile-time option (the
-    -DSDM_DIV_PARAMS experiment) follows the module it runs. (CuPy's device and module are
-    stand-ins: no GPU needed.)"""
-    import types
-    built = []
-
-    class FakeModule:
-        def __init__(self, code, options, name_expressions):
-            built.append(options)
-
-    device = types.SimpleNamespace(id=0)
-    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda: device),
-                                 RawModule=FakeModule)
-    monkeypatch.setitem(__import__("sys").modules, "cupy", fake)
-    monkeypatch.setattr(K, "_modules", {})
-    monkeypatch.setattr(K, "source", lambda src: "")
-    monkeypatch.setattr(K, "_names", lambda src, key: [])
-    monkeypatch.setattr(K, "options", lambda: ("-std=c++17", "-DSDM_DIV_PARAMS"))
-    assert K.module_options("fwd", ("x",)) == ("-std=c++17", "-DSDM_DIV_PARAMS")
-    monkeypatch.setattr(K, "options", lambda: ("-std=c++17",))
-    assert K.module_options("fwd", ("x",)) == ("-std=c++17", "-DSDM_DIV_PARAMS")   # cached
-    assert K.module_options("bwd", ("x",)) == ("-std=c++17",)                     # built now
-    assert built == [("-std=c++17", "-DSDM_DIV_PARAMS"), ("-std=c++17",)]

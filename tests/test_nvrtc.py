@@ -92,32 +92,3 @@ def test_prepass_64_bit_key_variant_compiles_for_sm90():
             names)
         assert len(lowered) == len(names) and len(cubin) > 0
         assert "warning" not in log.lower(), log[:3000]
-
-
-def test_task_shift_experiment_compiles_for_sm90():
-    """-DSDM_FWD_TASK_SHIFT (experiment, off by default: the forward's gather loops split a
-    task by a mask and a shift instead of a division by the runtime WS) still compiles, for the
-    bf16 and the float64/int64 instances, without warnings."""
-    for key in ((_build.BFLOAT16, _build.BFLOAT16, _build.I32), (_build.F64, _build.F64, _build.I64)):
-        names = _build._names("fwd", key)
-        log, lowered, cubin = _build.nvrtc_compile(
-            "fwd", _build.source("fwd"), (*_build.options(), "-DSDM_FWD_TASK_SHIFT"), names)
-        assert len(lowered) == len(names) and len(cubin) > 0
-        assert "warning" not in log.lower(), log[:3000]
-
-
-def test_div_params_experiment_compiles_for_sm90():
-    """-DSDM_DIV_PARAMS (experiment, off by default: FastDiv multipliers as kernel parameters,
-    forward and backward), alone and with -DSDM_FWD_TASK_SHIFT, still compiles without
-    warnings, for the bf16 and the float64/int64 instances."""
-    for src in ("fwd", "bwd"):
-        for key in ((_build.BFLOAT16, _build.BFLOAT16, _build.I32),
-                    (_build.F64, _build.F64, _build.I64)):
-            names = _build._names(src, key)
-            for extra in (("-DSDM_DIV_PARAMS",), ("-DSDM_DIV_PARAMS", "-DSDM_FWD_TASK_SHIFT")):
-                if src == "bwd" and len(extra) > 1:
-                    continue
-                log, lowered, cubin = _build.nvrtc_compile(
-                    src, _build.source(src), (*_build.options(), *extra), names)
-                assert len(lowered) == len(names) and len(cubin) > 0
-                assert "warning" not in log.lower(), log[:3000]
