@@ -387,7 +387,7 @@ def sdm_fwd(lay: Layout, config, bank, write_idx, write_w, values, beta, read_id
 
 def _fuse_threads(npc: int, W: int) -> int:
     ws = 1
-    while ws < 4 and ws * 2 <= W:   # WS_MAX of kernels/sdm_fwd.cu
+    while ws < 2 and ws * 2 <= W:   # WS_MAX of kernels/sdm_fwd.cu
         ws *= 2
     return min(THREADS, max(64, -(-npc * ws // 32) * 32))
 

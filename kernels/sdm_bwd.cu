@@ -26,7 +26,14 @@
 
 namespace sdm {
 
-constexpr int BWS_MAX = 4;     // threads splitting a token's W entries
+// Threads splitting a token's W entries: at most 2 up to W = 16, at most 4 above (stop 15,
+// H200, forward+backward against 4 throughout: W = 16 -2.3% and no spills, W = 32 +9% with 2;
+// 8 threads at W = 16: +5%). -DSDM_BWD_WS_MAX=n (benchmarks) caps it at n for every W.
+#ifdef SDM_BWD_WS_MAX
+__device__ __forceinline__ int bws_max(int) { return SDM_BWD_WS_MAX; }
+#else
+__device__ __forceinline__ int bws_max(int W) { return W > 16 ? 4 : 2; }
+#endif
 constexpr int BE_STAGE = 1024; // CSR entries of a chunk staged in shared memory (more: from L2)
 constexpr int B_RUN_HEAD = 1 << 30, B_RUN_BAD = 1 << 29, B_QMASK = (1 << 14) - 1;
 
@@ -256,7 +263,7 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
   };
 
   int WS = 1;
-  while (WS < BWS_MAX && WS * 2 <= W) WS *= 2;
+  while (WS < bws_max(W) && WS * 2 <= W) WS *= 2;
 
   prefetch(n_hi - 1);
   for (int n = n_hi - 1; n >= n_lo; --n) {

@@ -22,8 +22,13 @@
 namespace sdm {
 
 // threads splitting a token's W entries: fixed (not from the tile), so that the summation
-// order, hence the readings, do not depend on the tiling or the snapshot mode
-constexpr int WS_MAX = 4;
+// order, hence the readings, do not depend on the tiling or the snapshot mode. 2 rather than 4
+// (stop 15, H200 headline: forward -2.2%; 8: +31%); benchmarks may override it (another
+// summation order: readings not bitwise equal). kernels/gpu.py's _fuse_threads follows it.
+#ifndef SDM_FWD_WS_MAX
+#define SDM_FWD_WS_MAX 2
+#endif
+constexpr int WS_MAX = SDM_FWD_WS_MAX;
 constexpr int SB = 4;        // scatter tasks per thread whose loads are in flight together
 #ifndef SDM_FWD_GU
 #define SDM_FWD_GU 2
