@@ -26,9 +26,11 @@
 
 namespace sdm {
 
-// Threads splitting a token's W entries: at most 2 up to W = 16, at most 4 above (stop 15,
-// H200, forward+backward against 4 throughout: W = 16 -2.3% and no spills, W = 32 +9% with 2;
-// 8 threads at W = 16: +5%). -DSDM_BWD_WS_MAX=n (benchmarks) caps it at n for every W.
+// Threads splitting a token's W entries: at most 2 up to W = 16, at most 4 above. Stop 15, H200
+// forward+backward against a cap of 4 for every W: this rule -1.3% at W = 16 and -4.6% at W = 8;
+// a fixed cap of 2 -1.9% at W = 16 (the compiler then knows WS <= 2: no spills, where the rule
+// keeps 8/24 bytes) but +9% at W = 32; a cap of 8 +5% at W = 16.
+// -DSDM_BWD_WS_MAX=n (benchmarks) caps it at n for every W.
 #ifdef SDM_BWD_WS_MAX
 __device__ __forceinline__ int bws_max(int) { return SDM_BWD_WS_MAX; }
 #else
