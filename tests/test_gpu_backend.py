@@ -9,6 +9,8 @@ eager result.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -352,6 +354,13 @@ extern "C" __global__ void poison_smem(unsigned n, unsigned pattern) {
 """
 
 
+@functools.lru_cache(maxsize=None)
+def _poison_kernel(smem: int):
+    k = cp.RawKernel(_POISON_SMEM, "poison_smem")
+    k.max_dynamic_shared_size_bytes = smem
+    return k
+
+
 def _poison_shared_memory(pattern: int):
     """Fills the shared memory of every multiprocessor with ``pattern`` (4 blocks per SM, each
     with the largest dynamic allocation a block may have). CUDA does not clear shared memory
@@ -359,9 +368,8 @@ def _poison_shared_memory(pattern: int):
     this pattern instead of whatever ran before."""
     from sdm_cupy.kernels import gpu
     nsm, smem, _ = gpu._device_limits()
-    k = cp.RawKernel(_POISON_SMEM, "poison_smem")
-    k.max_dynamic_shared_size_bytes = smem
-    k((4 * nsm,), (1024,), (np.uint32(smem // 4), np.uint32(pattern)), shared_mem=smem)
+    _poison_kernel(smem)((4 * nsm,), (1024,), (np.uint32(smem // 4), np.uint32(pattern)),
+                         shared_mem=smem)
 
 
 @pytest.mark.parametrize("pattern", [0xFFFFFFFF, 0x7F807F80],

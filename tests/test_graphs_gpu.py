@@ -192,8 +192,7 @@ def test_out_of_memory_paths_leave_streams_working(env, rng):
     pb, p = problem(env, rng)
     c = cfg()
     stream = cp.cuda.Stream(non_blocking=True)
-    cp.cuda.Stream.null.synchronize()   # the inputs' uploads (legacy stream) have landed
-    with stream:
+    with env.on(stream):   # after the inputs' uploads on the legacy stream
         pool = pools.pool_for(env.cap, pb.values.device.id, stream)
         env.force_oom(pool.mempool)
         r = graphs.GraphRunner("oom-capture")
