@@ -1,0 +1,56 @@
+"""The GPU benchmark's byte floor (SPEC §10), checked by hand on small cases: the ratios in
+benchmarks/RESULTS.md are only as right as these counts. Pure NumPy: no device needed."""
+
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+
+pytest.importorskip("cupy")   # bench_gpu imports it at the top (no device is used here)
+
+
+def _bench():
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "bench_gpu.py")
+    spec = importlib.util.spec_from_file_location("bench_gpu_floor", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _ids(rows):
+    """[T][W] lists -> [1, T, 1, W] int32."""
+    return np.asarray(rows, dtype=np.int32)[None, :, None, :]
+
+
+def test_distinct_slots_are_counted_per_chunk_with_repeats_and_a_short_last_chunk():
+    bg = _bench()
+    # T = 3, C = 2: chunk 0 = tokens 0, 1; chunk 1 = token 2 alone (padded with itself)
+    wi = _ids([[5, 5], [1, 5], [5, 2]])
+    assert bg.distinct_per_chunk(wi, 2) == 2 + 2        # {1, 5} and {2, 5}
+    assert bg.distinct_per_chunk(wi, 1) == 1 + 2 + 2    # {5}, {1, 5}, {2, 5}
+    assert bg.distinct_per_chunk(wi, 4) == 3            # {1, 2, 5}
+    ri = _ids([[0, 1], [0, 0], [2, 2]])
+    assert bg.distinct_union(wi, ri, 2) == 3 + 2        # {0, 1, 5} and {2, 5}
+
+
+def test_floor_bytes_follow_spec_section_10():
+    bg = _bench()
+    B, T, P, hd, S, W, C = 1, 2, 1, 4, 8, 2, 2
+    wi = _ids([[0, 1], [1, 2]])      # writes: {0, 1, 2}
+    ri = _ids([[3, 3], [0, 4]])      # reads: {0, 3, 4}; union with writes: {0..4}
+    fwd, fb = bg.floors(B, T, P, hd, S, W, C, wi, ri)
+    e, D, row = B * T * P * W, P * hd, hd * 2          # bf16 bank rows
+    inputs = 2 * e * 4 + 2 * e * 4 + B * T * P * 4 + B * T * D * 2
+    want_fwd = (inputs + B * T * D * 2      # readings
+                + e * row                   # snapshots
+                + (3 + 3) * row             # gathered rows: distinct write and read slots
+                + 3 * row)                  # written rows
+    assert fwd == want_fwd == 208
+    want_bwd = (inputs + B * T * D * 2      # inputs and dr
+                + e * row                   # snapshots read
+                + 3 * row + 3 * row         # rewound rows written, read rows read
+                + 2 * 5 * hd * 4            # grad-bank rows of the touched slots, read + write
+                + B * S * D * 4             # the grad bank zeroed
+                + B * T * D * 2 + 2 * e * 4 + B * T * P * 4)   # gradients written
+    assert fb - fwd == want_bwd
