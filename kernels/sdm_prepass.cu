@@ -157,6 +157,85 @@ prepass_body(const I* __restrict__ wi, const A* __restrict__ aw, const I* __rest
   K* rslot = keys + M2max / 2;   // the forward's form: M2 <= M2max / 2 keys
 
   const long long tok0 = ((long long)b * T + t0) * P + p;   // (b, t0, p) row of [B, T, P, W]
+#ifdef SDM_PREPASS_SORT_WRITES   // benchmarks: the forward's form sorts its writes, for comparison
+  constexpr bool HASH = false;
+#else
+  constexpr bool HASH = SPARSE == 1 && sizeof(K) == 4;
+#endif
+  if constexpr (HASH) {
+    // The forward's form without a sort: a hash table of the chunk's write slots in the keys
+    // region (M2max >= 2N buckets: slot, then the last entry pushed on the bucket's list).
+    // 1h. the table empty, the masks zero
+    unsigned* tab_key = reinterpret_cast<unsigned*>(keys);
+    int* tab_top = reinterpret_cast<int*>(tab_key + M2max);
+    const int lg = __ffs(M2max) - 1;
+    for (int h = threadIdx.x; h < M2max; h += blockDim.x) { tab_key[h] = ~0u; tab_top[h] = -1; }
+    for (int i = threadIdx.x; i < 4 * C; i += blockDim.x) rm[i] = 0ull;
+    __syncthreads();
+    // 2h. weights; each write entry claims its slot's bucket and pushes itself on the bucket's
+    //     list: pos[q] = bucket << 16 | the entry pushed before it (0xFFFF: none); a read
+    //     entry keeps its slot in pos[N + e]. Bad ids share the bucket of KEY_BAD.
+    for (int i = threadIdx.x; i < N2; i += blockDim.x) {
+      const int e = i < N ? i : i - N, t = e / W, w = e - t * W;
+      const long long off = (tok0 + (long long)t * P) * W + w;
+      const I id = i < N ? wi[off] : ri[off];
+      wq_s[i] = i < N ? aw[off] : cw[off];
+      unsigned slot;
+      if (valid_id(id, S)) {
+        slot = (unsigned)id;
+      } else {
+        slot = (unsigned)KEY_BAD;
+        flag_error(err, i < N ? 1 : 2);
+      }
+      if (i < N) {
+        unsigned h = (slot * 0x9E3779B1u) >> (32 - lg);
+        for (;;) {
+          const unsigned old = atomicCAS(tab_key + h, ~0u, slot);
+          if (old == ~0u || old == slot) break;
+          h = (h + 1) & (M2max - 1);
+        }
+        const int below = atomicExch(tab_top + h, i);
+        pos[i] = (int)(h << 16) | (below & 0xFFFF);
+      } else {
+        pos[i] = (int)slot;
+      }
+    }
+    __syncthreads();
+    // 3h. per write entry its neighbours of the same slot (from the list's members, in any
+    //     order): the next goes to wrun, 1 + the previous to bits 16-31 of pos[q] (bits 0-15,
+    //     the list link that other threads walk, stay); per read entry the last write of its
+    //     slot replaces the slot in pos[N + e] (-1: none). Bad entries link to no previous.
+    for (int i = threadIdx.x; i < N2; i += blockDim.x) {
+      if (i < N) {
+        const int code = pos[i], h = code >> 16;
+        int prev = -1, next = N;
+        for (int m = tab_top[h]; m >= 0 && m != 0xFFFF; m = pos[m] & 0xFFFF) {
+          if (m < i) prev = max(prev, m);
+          else if (m > i) next = min(next, m);
+        }
+        const bool bad = tab_key[h] == (unsigned)KEY_BAD;
+        srt_g[(long long)blk * C * W + i] =
+            (next < N ? next + 1 : 0) | (prev < 0 ? WRUN_HEAD : 0) | (bad ? WRUN_BAD : 0);
+        pos[i] = ((bad ? 0 : prev + 1) << 16) | (code & 0xFFFF);
+      } else {
+        const unsigned slot = (unsigned)pos[i];
+        int last = -1;
+        if (slot != (unsigned)KEY_BAD) {
+          for (unsigned h = (slot * 0x9E3779B1u) >> (32 - lg);; h = (h + 1) & (M2max - 1)) {
+            const unsigned kk = tab_key[h];
+            if (kk == slot) {
+              for (int m = tab_top[h]; m >= 0 && m != 0xFFFF; m = pos[m] & 0xFFFF)
+                last = max(last, m);
+              break;
+            }
+            if (kk == ~0u) break;
+          }
+        }
+        pos[i] = last;
+      }
+    }
+    __syncthreads();
+  } else {
   // 1. keys
   for (int i = threadIdx.x; i < max(M2, N2); i += blockDim.x) {
     K key = ~K(0);
@@ -231,6 +310,7 @@ prepass_body(const I* __restrict__ wi, const A* __restrict__ aw, const I* __rest
     }
   }
   __syncthreads();
+  }
   // 4. G rows (threads 0..L-1) and H rows (threads L..2L-1): walk back through the run of each
   //    of the token's entries. Writes sort before reads within a slot, in token order. An
   //    entry's first term is added to +0 (as to a zeroed row), later ones to the sum so far.
@@ -241,6 +321,17 @@ prepass_body(const I* __restrict__ wi, const A* __restrict__ aw, const I* __rest
     unsigned long long seen = 0;   // the row's entries written so far
     for (int w = 0; w < W; ++w) {
       const int q = (isH ? N : 0) + t * W + w;
+      if constexpr (HASH) {   // the same walks along the previous-write links of step 3h
+        const A wq = wq_s[q];
+        for (int q2 = isH ? pos[q] : (pos[q] >> 16) - 1; q2 >= 0; q2 = (pos[q2] >> 16) - 1) {
+          const int tau = q2 / W;
+          if (isH ? tau > t : tau >= t) continue;
+          const unsigned long long bit = 1ull << tau;
+          row[tau] = ((seen & bit) ? row[tau] : A(0)) + wq * wq_s[q2];
+          seen |= bit;
+        }
+        continue;
+      }
       if (SPARSE == 1 && isH) {   // walk the read's run of writes back (same order as below)
         const int code = pos[q], start = code & 0xFFFF;
         const A wq = wq_s[q];

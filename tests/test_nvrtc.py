@@ -82,13 +82,14 @@ def test_forward_cluster_experiment_compiles_for_sm90():
     assert "warning" not in log.lower(), log[:3000]
 
 
-def test_prepass_64_bit_key_variant_compiles_for_sm90():
-    """-DSDM_PREPASS_KEY64 (the pre-pass sorts 64-bit keys whatever S is; the bitwise
-    compile-time-variant GPU test compares it with the 32-bit keys) still compiles."""
+@pytest.mark.parametrize("macro", ["-DSDM_PREPASS_KEY64", "-DSDM_PREPASS_SORT_WRITES"])
+def test_prepass_variants_compile_for_sm90(macro):
+    """-DSDM_PREPASS_KEY64 (the pre-pass sorts 64-bit keys whatever S is) and
+    -DSDM_PREPASS_SORT_WRITES (the forward's form sorts its write slots instead of hashing
+    them); the bitwise compile-time-variant GPU test compares both with the default."""
     for key in _build.module_keys("prepass"):
         names = _build._names("prepass", key)
         log, lowered, cubin = _build.nvrtc_compile(
-            "prepass", _build.source("prepass"), (*_build.options(), "-DSDM_PREPASS_KEY64"),
-            names)
+            "prepass", _build.source("prepass"), (*_build.options(), macro), names)
         assert len(lowered) == len(names) and len(cubin) > 0
         assert "warning" not in log.lower(), log[:3000]
