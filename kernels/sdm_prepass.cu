@@ -21,6 +21,12 @@
 // of equal slots, and Ainv = (I + diag(beta) tril(G, -1))^{-1} (the WY form: u = Ainv diag(beta)
 // (v - X)). Overlaps come from the sort (bitonic, in shared memory), never from the C^2 W^2
 // pairs. Each token row of G and H is accumulated by one thread in a fixed order: deterministic.
+// The forward's form, while slot ids fit the 32-bit keys (S <= KEY32_MAX_S), sorts nothing: a
+// hash table of the chunk's write slots (steps 1h-3h) gives each write entry its previous and
+// next write of the same slot and each read entry its slot's last write; the walks of step 4
+// follow those links in the sort's order (descending entries), so the outputs are the same bits
+// (-DSDM_PREPASS_SORT_WRITES compiles the sort back in; stop 16: forward -1.5%). Its cost
+// follows the entries plus the square of each slot's repeats, as step 4's walks already do.
 
 #include "sdm_common.cuh"
 
