@@ -121,6 +121,22 @@ __device__ void sort_keys(K* keys, int M2) {
   }
 }
 
+// Entry i of a chunk (writes q < N, then reads N + q): stores its weight in wq_s[i] and returns
+// its slot id, or `bad` (recorded in the error word) when the id lies outside [0, S).
+template <typename K, typename A, typename I>
+__device__ __forceinline__ K entry_slot(int i, int N, int W, int P, long long tok0,
+                                        const I* __restrict__ wi, const A* __restrict__ aw,
+                                        const I* __restrict__ ri, const A* __restrict__ cw,
+                                        long long S, K bad, A* wq_s, int* err) {
+  const int e = i < N ? i : i - N, t = e / W, w = e % W;
+  const long long off = (tok0 + (long long)t * P) * W + w;
+  const I id = i < N ? wi[off] : ri[off];
+  wq_s[i] = i < N ? aw[off] : cw[off];
+  if (valid_id(id, S)) return (K)id;
+  flag_error(err, i < N ? 1 : 2);
+  return bad;
+}
+
 template <typename A, typename I, int SPARSE, typename K>
 __device__ __forceinline__ void
 prepass_body(const I* __restrict__ wi, const A* __restrict__ aw, const I* __restrict__ ri,
@@ -182,17 +198,8 @@ prepass_body(const I* __restrict__ wi, const A* __restrict__ aw, const I* __rest
     //     list: pos[q] = bucket << 16 | the entry pushed before it (0xFFFF: none); a read
     //     entry keeps its slot in pos[N + e]. Bad ids share the bucket of KEY_BAD.
     for (int i = threadIdx.x; i < N2; i += blockDim.x) {
-      const int e = i < N ? i : i - N, t = e / W, w = e - t * W;
-      const long long off = (tok0 + (long long)t * P) * W + w;
-      const I id = i < N ? wi[off] : ri[off];
-      wq_s[i] = i < N ? aw[off] : cw[off];
-      unsigned slot;
-      if (valid_id(id, S)) {
-        slot = (unsigned)id;
-      } else {
-        slot = (unsigned)KEY_BAD;
-        flag_error(err, i < N ? 1 : 2);
-      }
+      const unsigned slot = entry_slot(i, N, W, P, tok0, wi, aw, ri, cw, S, (unsigned)KEY_BAD,
+                                       wq_s, err);
       if (i < N) {
         unsigned h = (slot * 0x9E3779B1u) >> (32 - lg);
         for (;;) {
@@ -246,17 +253,7 @@ prepass_body(const I* __restrict__ wi, const A* __restrict__ aw, const I* __rest
   for (int i = threadIdx.x; i < max(M2, N2); i += blockDim.x) {
     K key = ~K(0);
     if (i < N2) {
-      const int e = i < N ? i : i - N, t = e / W, w = e % W;
-      const long long off = (tok0 + (long long)t * P) * W + w;
-      const I id = i < N ? wi[off] : ri[off];
-      wq_s[i] = i < N ? aw[off] : cw[off];
-      K slot;
-      if (valid_id(id, S)) {
-        slot = (K)id;
-      } else {
-        slot = KEY_BAD;
-        flag_error(err, i < N ? 1 : 2);
-      }
+      const K slot = entry_slot(i, N, W, P, tok0, wi, aw, ri, cw, S, KEY_BAD, wq_s, err);
       key = (slot << QBITS) | (K)i;
       if (SPARSE == 1 && i >= N) rslot[i - N] = slot;
     }
