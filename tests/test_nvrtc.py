@@ -9,6 +9,7 @@ program per module, as the backend builds them, compiled in parallel processes (
 from __future__ import annotations
 
 import concurrent.futures
+import multiprocessing
 import os
 
 import pytest
@@ -48,7 +49,10 @@ def test_all_kernels_compile_for_sm90():
     # biggest modules first, so that the pool ends evenly
     specs.sort(key=lambda s: -len(s[3]) * (2 if s[0] == "bwd" else 1))
     workers = max(1, min(len(specs), os.cpu_count() or 1))
-    with concurrent.futures.ProcessPoolExecutor(max_workers=workers) as pool:
+    # fresh interpreters, not forks: by now other tests may have started threads (JAX's), and
+    # a fork taken while one of them holds a lock can deadlock the child
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
         futures = [(src, names, pool.submit(_build.nvrtc_compile, src, text, opts, names))
                    for src, text, opts, names in specs]
         for src, names, fut in futures:
