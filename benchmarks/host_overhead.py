@@ -6,8 +6,8 @@ Three timings per shape, after warm-up (medians over loops of ``--calls`` calls)
 
 * host: wall time of the Python call alone (the device is synchronised between loops, outside
   the timed part, so that a full launch queue does not throttle the host);
-* synced: CUDA events around each call with the device idle before it (what bench_gpu.py's
-  eager rows measure: host time before the first kernel + device time);
+* synced: CUDA events around each call with the device idle before it (``bench_gpu.timeit``,
+  as bench_gpu.py's eager rows: host time before the first kernel + device time);
 * queued: CUDA events around ``--calls`` calls issued back to back (device time per call when
   the host keeps ahead, as in a training loop).
 
@@ -26,7 +26,7 @@ import numpy as np
 import cupy as cp
 
 import sdm_cupy as sdm
-from bench_gpu import make_inputs
+from bench_gpu import make_inputs, timeit
 
 
 def main():
@@ -62,14 +62,7 @@ def main():
             for _ in range(args.calls):
                 fn()
             host.append((time.perf_counter() - t0) / args.calls)
-            cp.cuda.Device().synchronize()
-            for _ in range(args.calls):
-                a, b = cp.cuda.Event(), cp.cuda.Event()
-                a.record()
-                fn()
-                b.record()
-                b.synchronize()
-                synced.append(cp.cuda.get_elapsed_time(a, b) * 1e-3)
+            synced.append(timeit(fn, reps=args.calls, warmup=0))
             a, b = cp.cuda.Event(), cp.cuda.Event()
             a.record()
             for _ in range(args.calls):
