@@ -379,19 +379,12 @@ prepass_body(const I* __restrict__ wi, const A* __restrict__ aw, const I* __rest
     }
   }
   __syncthreads();
-  // 5. Ainv by forward substitution on the sparse rows of diag(beta) G (rows of G without
-  //    entries leave their row of Ainv at the identity's: only the others are visited, and
-  //    every Ai[tau][j] read below was written before; the identity's zeros are selected, not
-  //    stored). Each row's non-zero entries go to the masks: rows by ballot (section 0),
-  //    columns (section 2, the backward's form) by bit.
-  //    Row t needs the rows tau of its G entries first. Warp 0 gives each row a level, 0 for a
-  //    row without entries, else 1 + the highest level among its entries' rows; the rows of
-  //    one level are independent, so the block does a level at a time, a warp per half row
-  //    (columns 32h .. 32h + 31). The chain of overlaps is short where S >> C*W (a few levels
-  //    instead of a row at a time), as long as the rows with entries where every slot repeats.
-  //    Each Ai[t][j] is the same sum in the same order as a row-by-row substitution.
-  //    (-DSDM_PREPASS_SERIAL_AINV: one column per thread of warps 0 and 1, row after row.)
-#ifdef SDM_PREPASS_SERIAL_AINV
+  // 5. Ainv by forward substitution on the sparse rows of diag(beta) G, one column j per thread
+  //    of warps 0 and 1 (rows of G without entries leave their row of Ainv at the identity's:
+  //    only the others are visited, in ascending order, so every Ai[tau][j] read below was
+  //    written before; the identity's zeros are selected, not stored). Each row's non-zero
+  //    entries go to the masks: rows by ballot (section 0), columns per thread (section 2).
+  //    The chunk's beta stays in registers, beta[t] in lane t % 32.
   if (threadIdx.x < (L > 32 ? 64 : 32)) {
     const int j = threadIdx.x, lane = j & 31;
     const long long bt0 = ((long long)b * T + t0) * P + p;
@@ -421,66 +414,6 @@ prepass_body(const I* __restrict__ wi, const A* __restrict__ aw, const I* __rest
     if (SPARSE == 2 && j < L) rm[2 * C + j] = col;
   }
   __syncthreads();
-#else
-  {
-    // rend is free until step 6: lv[t] = the level of row t, lv[C] = the highest level
-    int* lv = rend;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarp = blockDim.x >> 5;
-    for (int j = threadIdx.x; j < L; j += blockDim.x) Ai[j * ld + j] = A(1);
-    if (warp == 0) {   // levels by repeated relaxation: each round fixes one more level
-      const unsigned long long m0 = lane < L ? rm[3 * C + lane] : 0ull;
-      const unsigned long long m1 = lane + 32 < L ? rm[3 * C + 32 + lane] : 0ull;
-      int l0 = 0, l1 = 0;
-      if (lane < L) lv[lane] = 0;
-      if (lane + 32 < L) lv[lane + 32] = 0;
-      __syncwarp();
-      for (;;) {
-        int n0 = m0 ? 1 : 0, n1 = m1 ? 1 : 0;
-        for (unsigned long long m = m0; m; m &= m - 1) n0 = max(n0, lv[__ffsll((long long)m) - 1] + 1);
-        for (unsigned long long m = m1; m; m &= m - 1) n1 = max(n1, lv[__ffsll((long long)m) - 1] + 1);
-        const bool changed = n0 != l0 || n1 != l1;
-        __syncwarp();
-        l0 = n0;
-        l1 = n1;
-        if (lane < L) lv[lane] = l0;
-        if (lane + 32 < L) lv[lane + 32] = l1;
-        __syncwarp();
-        if (!__any_sync(0xffffffffu, changed)) break;
-      }
-      int top = max(l0, l1);
-      for (int o = 16; o; o >>= 1) top = max(top, __shfl_xor_sync(0xffffffffu, top, o));
-      if (lane == 0) lv[C] = top;
-    }
-    __syncthreads();
-    const int top = lv[C];
-    if (top == 0) __syncthreads();   // step 6 writes over lv: every warp has read it first
-    const unsigned long long gz =   // rows of G with entries (every warp's own copy)
-        (unsigned long long)__ballot_sync(0xffffffffu, lane < L && rm[3 * C + lane] != 0ull) |
-        (unsigned long long)__ballot_sync(0xffffffffu, lane + 32 < L && rm[3 * C + 32 + lane] != 0ull) << 32;
-    const long long bt0 = ((long long)b * T + t0) * P + p;
-    for (int level = 1; level <= top; ++level) {
-      for (int task = warp; task < 2 * L; task += nwarp) {   // (row t, half h); warp-uniform
-        const int t = task >> 1, h = task & 1;
-        if (lv[t] != level || (h && t <= 32)) continue;   // columns j >= t stay as they are
-        const int j = 32 * h + lane;
-        const bool on = j < t;
-        A s = A(0);
-        for (unsigned long long m = rm[3 * C + t]; m; m &= m - 1) {
-          const int tau = __ffsll((long long)m) - 1;
-          if (on && tau >= j)
-            s += Gs[t * ld + tau] * (tau == j || (gz >> tau & 1ull) ? Ai[tau * ld + j] : A(0));
-        }
-        const A v = -beta[bt0 + (long long)t * P] * s;
-        if (on) Ai[t * ld + j] = v;
-        const bool nz = on && v != A(0);
-        const unsigned word = __ballot_sync(0xffffffffu, nz);
-        if (lane == 0) rm32[2 * t + h] = word;
-        if (SPARSE == 2 && nz) atomicOr(rm32 + 2 * (2 * C + j) + (t >> 5), 1u << (t & 31));
-      }
-      __syncthreads();
-    }
-  }
-#endif
   const long long mo = (long long)blk * (SPARSE == 1 ? 1 : 2) * C * C;
   // 6. CSR rows, section by section (the header lists them), from the masks: warp 0 scans the
   //    rows' counts into their end offsets, then one thread per half row writes its entries

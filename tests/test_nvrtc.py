@@ -86,13 +86,11 @@ def test_forward_cluster_experiment_compiles_for_sm90():
     assert "warning" not in log.lower(), log[:3000]
 
 
-@pytest.mark.parametrize("macro", ["-DSDM_PREPASS_KEY64", "-DSDM_PREPASS_SORT_WRITES",
-                                   "-DSDM_PREPASS_SERIAL_AINV"])
+@pytest.mark.parametrize("macro", ["-DSDM_PREPASS_KEY64", "-DSDM_PREPASS_SORT_WRITES"])
 def test_prepass_variants_compile_for_sm90(macro):
     """-DSDM_PREPASS_KEY64 (the pre-pass sorts 64-bit keys whatever S is) and
     -DSDM_PREPASS_SORT_WRITES (the forward's form sorts its write slots instead of hashing
-    them) and -DSDM_PREPASS_SERIAL_AINV (Ainv row after row instead of a level of rows at a
-    time); the bitwise compile-time-variant GPU test compares each with the default."""
+    them); the bitwise compile-time-variant GPU test compares both with the default."""
     for key in _build.module_keys("prepass"):
         names = _build._names("prepass", key)
         log, lowered, cubin = _build.nvrtc_compile(
