@@ -11,6 +11,11 @@ Three timings per shape, after warm-up (medians over loops of ``--calls`` calls)
 * queued: CUDA events around ``--calls`` calls issued back to back (device time per call when
   the host keeps ahead, as in a training loop).
 
+Two more forward-only rows range-check the ids first (``check_indices=True``, the default: one
+reduction over both index arrays and one host sync) and, for comparison, the way stops 1-16 did
+it (minimum and maximum of each array: four reductions, four syncs). A checked call waits for
+the device, so its host time includes the device time of the call before it.
+
 ``--profile`` adds a cProfile of the forward-only calls (top functions by own time).
 """
 
@@ -27,6 +32,7 @@ import cupy as cp
 
 import sdm_cupy as sdm
 from bench_gpu import make_inputs, timeit
+from sdm_cupy import _validate as V
 
 
 def main():
@@ -46,12 +52,23 @@ def main():
         return sdm.forward(bank, wi, ww, v, beta, ri, rw, cfg, inplace=True,
                            needs_backward=False, check_indices=False)
 
+    def fwd_checked():
+        return sdm.forward(bank, wi, ww, v, beta, ri, rw, cfg, inplace=True,
+                           needs_backward=False)
+
+    def fwd_checked_per_array():
+        V.check_index_range("write_idx", wi, S)
+        V.check_index_range("read_idx", ri, S)
+        return fwd_only()
+
     def fwd_bwd():
         res = sdm.forward(bank, wi, ww, v, beta, ri, rw, cfg, inplace=True, check_indices=False)
         return sdm.backward(res.saved, dr)
 
     rows = []
-    for name, fn in (("forward (no snapshots)", fwd_only), ("forward+backward", fwd_bwd)):
+    for name, fn in (("forward (no snapshots)", fwd_only), ("forward+backward", fwd_bwd),
+                     ("forward, ids checked (one reduction)", fwd_checked),
+                     ("forward, ids checked per array (min, max)", fwd_checked_per_array)):
         for _ in range(3):
             fn()
         cp.cuda.Device().synchronize()

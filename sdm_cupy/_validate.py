@@ -121,7 +121,7 @@ def validate_config(config) -> SDMConfig:
 def layout(bank, write_idx, write_w, values, beta, read_idx, read_w, config: SDMConfig) -> Layout:
     """Checks ranks, shapes and dtypes of a forward call and returns its Layout. Raises
     TypeError (wrong array type or dtype) or ValueError (wrong shape); indices are range-checked
-    separately (``check_index_range``) because on the GPU that needs a host sync."""
+    separately (``check_index_ranges``) because on the GPU that needs a host sync."""
     config = validate_config(config)
     S, P, C = config.num_memory_slots, config.num_parallel, config.chunk_size
     if write_idx.ndim != 4:
@@ -180,6 +180,41 @@ def check_index_range(name: str, idx, S: int) -> None:
     lo, hi = int(lo), int(hi)
     if lo < 0 or hi >= S:
         raise index_range_error(name, S, lo, hi)
+
+
+_RANGE_KERNEL = None
+
+
+def _range_kernel():
+    """One reduction over two index arrays of one shape: bit 0 set when the first holds an id
+    outside [0, S), bit 1 when the second does (CuPy compiles it once per dtype pair)."""
+    global _RANGE_KERNEL
+    if _RANGE_KERNEL is None:
+        import cupy
+        _RANGE_KERNEL = cupy.ReductionKernel(
+            "X ia, Y ib, int64 nslot", "int32 bad",
+            "((ia < 0 || (long long)ia >= nslot) ? 1 : 0) | ((ib < 0 || (long long)ib >= nslot) ? 2 : 0)",
+            "a | b", "bad = a", "0", "sdm_index_range", reduce_type="int")
+    return _RANGE_KERNEL
+
+
+def check_index_ranges(S: int, first: tuple, second: tuple) -> None:
+    """``check_index_range`` for two (name, array) pairs of one shape, the first checked
+    first. On CuPy arrays both go through one reduction and one host sync (the per-array
+    minimum and maximum, four reductions and four syncs, only run to word the error)."""
+    (name_a, a), (name_b, b) = first, second
+    if not is_cupy_array(a) or a.shape != b.shape or a.size == 0:
+        check_index_range(name_a, a, S)
+        check_index_range(name_b, b, S)
+        return
+    bad = int(_range_kernel()(a, b, np.int64(S)))
+    if bad & 1:
+        check_index_range(name_a, a, S)
+    if bad & 2:
+        check_index_range(name_b, b, S)
+    if bad:   # the reduction saw a bad id that the minimum and maximum did not: never expected
+        raise RuntimeError(f"the range check of {name_a}/{name_b} disagreed with their minimum "
+                           "and maximum; please report this")
 
 
 def check_snapshot_quant(lay: Layout, mode) -> None:

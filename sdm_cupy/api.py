@@ -140,7 +140,8 @@ def forward(bank, write_idx, write_w, values, beta, read_idx, read_w, config: SD
         needs_backward: save the snapshot rows a ``backward`` needs; False saves nothing.
         inplace: write the final bank into ``bank`` itself (it must be C-contiguous); else
             the final bank is a new array and ``bank`` is left as it was.
-        check_indices: range-check the indices first. On CuPy arrays this is one host sync;
+        check_indices: range-check the indices first. On CuPy arrays this is one host sync
+            (one reduction over both index arrays);
             pass False in code that must be capturable. Kernels never touch memory out of
             bounds either way: an out-of-range id is skipped and recorded in a device-side
             flag that ``sdm_cupy.check_device_errors()`` reports.
@@ -169,8 +170,7 @@ def forward(bank, write_idx, write_w, values, beta, read_idx, read_w, config: SD
         V.check_snapshot_quant(lay, config.snapshot_quant)
         backend.check_config(lay, config)
     if check_indices:
-        V.check_index_range("write_idx", write_idx, lay.S)
-        V.check_index_range("read_idx", read_idx, lay.S)
+        V.check_index_ranges(lay.S, ("write_idx", write_idx), ("read_idx", read_idx))
     if inplace and not bank.flags.c_contiguous:
         raise ValueError("bank must be C-contiguous when inplace=True")
     if inplace and not getattr(bank.flags, "writeable", True):

@@ -538,3 +538,46 @@ def test_inplace_needs_a_writeable_bank_cpu(rng):
     _, M_ref = reference_fwd(pb)
     res = sdm.forward(bank, *pb.inputs, good_config(), inplace=False)
     assert_close(res.bank, M_ref, F64_RTOL, "final bank from a read-only bank")
+
+
+# ----------------------------------------------------------------------------- the range check itself
+
+@pytest.mark.parametrize("dtypes", [(np.int32, np.int32), (np.int32, np.int64), (np.int64, np.int32)],
+                         ids=["i32-i32", "i32-i64", "i64-i32"])
+def test_index_range_check_names_the_first_bad_array(xp, rng, dtypes):
+    """``check_index_ranges`` (on CuPy one reduction over both arrays, one host sync) raises
+    exactly when an id lies outside [0, S), naming write_idx before read_idx, for every dtype
+    pair, contiguous or strided, at both edges of the range, and changes neither array."""
+    from sdm_cupy import _validate as V
+    n_slots = 1000
+    shape = (3, 17, 2, 5)
+    ids_w = rng.integers(0, n_slots, size=shape).astype(dtypes[0])
+    ids_r = rng.integers(0, n_slots, size=shape).astype(dtypes[1])
+    ids_w[0, 0, 0, 0], ids_r[2, 16, 1, 4] = 0, n_slots - 1     # both edges, allowed
+    big = 2 ** 40 if dtypes[1] == np.int64 else 2 ** 31 - 1
+    cases = [(None, None, None),
+             ("write_idx", (1, 3, 0, 2), -1), ("write_idx", (2, 16, 1, 4), n_slots),
+             ("read_idx", (0, 9, 1, 0), n_slots), ("read_idx", (1, 0, 0, 0), big),
+             ("read_idx", (2, 5, 1, 3), np.iinfo(dtypes[1]).min),
+             ("both", (0, 1, 1, 1), -7)]
+    for strided in (False, True):
+        for which, pos, bad in cases:
+            w, r = ids_w.copy(), ids_r.copy()
+            if which in ("write_idx", "both"):
+                w[pos] = bad
+            if which in ("read_idx", "both"):
+                r[pos] = bad
+            if strided:   # the same ids seen through views of buffers twice as wide
+                wd = xp.asarray(np.concatenate([w, w], axis=3))[:, :, :, :5]
+                rd = xp.asarray(np.concatenate([r, r], axis=3))[:, :, :, :5]
+                assert not wd.flags.c_contiguous
+            else:
+                wd, rd = xp.asarray(w), xp.asarray(r)
+            before = (to_numpy(wd).copy(), to_numpy(rd).copy())
+            if which is None:
+                V.check_index_ranges(n_slots, ("write_idx", wd), ("read_idx", rd))
+            else:
+                name = "write_idx" if which == "both" else which
+                with pytest.raises(ValueError, match=rf"^{name} values must lie in .*\[0, {n_slots}\)"):
+                    V.check_index_ranges(n_slots, ("write_idx", wd), ("read_idx", rd))
+            assert np.array_equal(to_numpy(wd), before[0]) and np.array_equal(to_numpy(rd), before[1])
