@@ -12,7 +12,7 @@ Three timings per shape, after warm-up (medians over loops of ``--calls`` calls)
   the host keeps ahead, as in a training loop).
 
 Two more forward-only rows range-check the ids first (``check_indices=True``, the default: one
-reduction over both index arrays and one host sync) and, for comparison, the way stops 1-16 did
+elementwise pass over both index arrays and one host sync) and, for comparison, the way stops 1-16 did
 it (minimum and maximum of each array: four reductions, four syncs). A checked call waits for
 the device, so its host time includes the device time of the call before it.
 
@@ -67,7 +67,7 @@ def main():
 
     rows = []
     for name, fn in (("forward (no snapshots)", fwd_only), ("forward+backward", fwd_bwd),
-                     ("forward, ids checked (one reduction)", fwd_checked),
+                     ("forward, ids checked (one pass)", fwd_checked),
                      ("forward, ids checked per array (min, max)", fwd_checked_per_array)):
         for _ in range(3):
             fn()

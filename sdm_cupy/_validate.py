@@ -186,33 +186,42 @@ _RANGE_KERNEL = None
 
 
 def _range_kernel():
-    """One reduction over two index arrays of one shape: bit 0 set when the first holds an id
-    outside [0, S), bit 1 when the second does (CuPy compiles it once per dtype pair)."""
+    """An elementwise pass over two index arrays of one shape that sets bit 0 of ``flag[0]``
+    when the first holds an id outside [0, S) and bit 1 when the second does (an atomic OR
+    from the threads that find one; CuPy compiles it once per dtype pair). Not a CuPy
+    reduction: a reduction to one value runs in a single block, 2.9 ms for two arrays of
+    524,288 ids on an H200 (stop 17)."""
     global _RANGE_KERNEL
     if _RANGE_KERNEL is None:
         import cupy
-        _RANGE_KERNEL = cupy.ReductionKernel(
-            "X ia, Y ib, int64 nslot", "int32 bad",
-            "((ia < 0 || (long long)ia >= nslot) ? 1 : 0) | ((ib < 0 || (long long)ib >= nslot) ? 2 : 0)",
-            "a | b", "bad = a", "0", "sdm_index_range", reduce_type="int")
+        _RANGE_KERNEL = cupy.ElementwiseKernel(
+            "X ia, Y ib, int64 nslot", "raw int32 flag",
+            "const int bad = ((ia < 0 || (long long)ia >= nslot) ? 1 : 0)"
+            " | ((ib < 0 || (long long)ib >= nslot) ? 2 : 0);"
+            " if (bad) atomicOr(&flag[0], bad);",
+            "sdm_index_range")
     return _RANGE_KERNEL
 
 
 def check_index_ranges(S: int, first: tuple, second: tuple) -> None:
     """``check_index_range`` for two (name, array) pairs of one shape, the first checked
-    first. On CuPy arrays both go through one reduction and one host sync (the per-array
-    minimum and maximum, four reductions and four syncs, only run to word the error)."""
+    first. On CuPy arrays both go through one elementwise pass and one host sync (the
+    per-array minimum and maximum, four reductions and four syncs, only run to word the
+    error)."""
     (name_a, a), (name_b, b) = first, second
     if not is_cupy_array(a) or a.shape != b.shape or a.size == 0:
         check_index_range(name_a, a, S)
         check_index_range(name_b, b, S)
         return
-    bad = int(_range_kernel()(a, b, np.int64(S)))
+    import cupy
+    flag = cupy.zeros(1, dtype=cupy.int32)
+    _range_kernel()(a, b, np.int64(S), flag)
+    bad = int(flag[0])
     if bad & 1:
         check_index_range(name_a, a, S)
     if bad & 2:
         check_index_range(name_b, b, S)
-    if bad:   # the reduction saw a bad id that the minimum and maximum did not: never expected
+    if bad:   # the pass saw a bad id that the minimum and maximum did not: never expected
         raise RuntimeError(f"the range check of {name_a}/{name_b} disagreed with their minimum "
                            "and maximum; please report this")
 

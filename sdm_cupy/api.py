@@ -141,7 +141,7 @@ def forward(bank, write_idx, write_w, values, beta, read_idx, read_w, config: SD
         inplace: write the final bank into ``bank`` itself (it must be C-contiguous); else
             the final bank is a new array and ``bank`` is left as it was.
         check_indices: range-check the indices first. On CuPy arrays this is one host sync
-            (one reduction over both index arrays);
+            (one elementwise pass over both index arrays);
             pass False in code that must be capturable. Kernels never touch memory out of
             bounds either way: an out-of-range id is skipped and recorded in a device-side
             flag that ``sdm_cupy.check_device_errors()`` reports.

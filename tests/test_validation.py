@@ -545,7 +545,7 @@ def test_inplace_needs_a_writeable_bank_cpu(rng):
 @pytest.mark.parametrize("dtypes", [(np.int32, np.int32), (np.int32, np.int64), (np.int64, np.int32)],
                          ids=["i32-i32", "i32-i64", "i64-i32"])
 def test_index_range_check_names_the_first_bad_array(xp, rng, dtypes):
-    """``check_index_ranges`` (on CuPy one reduction over both arrays, one host sync) raises
+    """``check_index_ranges`` (on CuPy one elementwise pass over both arrays, one host sync) raises
     exactly when an id lies outside [0, S), naming write_idx before read_idx, for every dtype
     pair, contiguous or strided, at both edges of the range, and changes neither array."""
     from sdm_cupy import _validate as V
