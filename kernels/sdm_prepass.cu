@@ -10,8 +10,9 @@
 //          those of H (tau <= t); sp_ptr[2C] = the chunk's entry count (<= C*C).
 // SPARSE = 2 (the backward):
 //   srt  : the chunk's write entries q = t*W + w (q < N) and read entries q = N + t*W + w,
-//          sorted by (slot, q); bit 30 marks the first entry of a run of equal slots, bit 29 a
-//          slot id outside [0, S) (those sort last and are skipped by every kernel); then, per
+//          in runs of equal slots, q ascending within a run (runs by slot when sorted, by
+//          their first entry when hashed); bit 30 marks the first entry of a run, bit 29 a
+//          slot id outside [0, S) (one run, skipped by every kernel); then, per
 //          read entry, 1 + the write entry that heads its slot's run (0: the chunk does not
 //          write that slot),
 //   rows 0..C-1 the strictly lower rows of Ainv, C..2C-1 the columns of H (H[s][t], s >= t),
@@ -25,8 +26,11 @@
 // hash table of the chunk's write slots (steps 1h-3h) gives each write entry its previous and
 // next write of the same slot and each read entry its slot's last write; the walks of step 4
 // follow those links in the sort's order (descending entries), so the outputs are the same bits
-// (-DSDM_PREPASS_SORT_WRITES compiles the sort back in; stop 16: forward -1.5%). Its cost
-// follows the entries plus the square of each slot's repeats, as step 4's walks already do.
+// (-DSDM_PREPASS_SORT_WRITES compiles the sort back in; stop 16: forward -1.5%). The
+// backward's form, where its table fits (steps 1b-3b), hashes all its entries the same way
+// and lays the runs of srt out in the order of their first entries instead of by slot (stop
+// 17; the same macro sorts it again). Either way the cost follows the entries plus the square
+// of each slot's repeats, as step 4's walks already do.
 
 #include "sdm_common.cuh"
 
@@ -179,12 +183,114 @@ prepass_body(const I* __restrict__ wi, const A* __restrict__ aw, const I* __rest
   K* rslot = keys + M2max / 2;   // the forward's form: M2 <= M2max / 2 keys
 
   const long long tok0 = ((long long)b * T + t0) * P + p;   // (b, t0, p) row of [B, T, P, W]
-#ifdef SDM_PREPASS_SORT_WRITES   // benchmarks: the forward's form sorts its writes, for comparison
-  constexpr bool HASH = false;
+#ifdef SDM_PREPASS_SORT_WRITES   // benchmarks: both forms sort their slots, for comparison
+  constexpr bool HASH = false, HASH2 = false;
 #else
-  constexpr bool HASH = SPARSE == 1 && sizeof(K) == 4;
+  constexpr bool HASH = SPARSE == 1 && sizeof(K) == 4, HASH2 = SPARSE == 2 && sizeof(K) == 4;
 #endif
-  if constexpr (HASH) {
+  // the backward's form hashes when its table (2 * M2max buckets: keys, list heads), the run
+  // sizes and the entries' places fit the keys region and that of Gs and Hs (dead until step 4)
+  const bool hash2 = HASH2 && 8 * M2max + 16 * N + 128 <= 2 * C * ld * (int)sizeof(A);
+  if (hash2) {
+    // The backward's form without a sort (steps 1b-3b): every entry, write or read, joins its
+    // slot's list in a hash table; from the list each entry learns its rank in the slot's run
+    // (entries ascending), the run's first entry, its previous write (writes: the G walk of
+    // step 4), the slot's last and first write (reads: the H walk and the read link). Runs
+    // are laid out in srt in the order of their first entries (a scan of the run sizes), not
+    // by slot: the kernels only walk within a run, so every sum has the same terms in the same
+    // order as with the sort.
+    const int NB = 2 * M2max, lg = __ffs(NB) - 1;
+    unsigned* tab_key = reinterpret_cast<unsigned*>(keys);          // NB
+    int* tab_top = reinterpret_cast<int*>(Gs);                      // NB, then:
+    int* run_off = tab_top + NB;      // 2N: the run's size at its first entry, then its offset
+    int* place = run_off + N2;        // 2N: first entry of the run | rank << 14 | bad << 28
+    int* wsum = place + N2;           // 32 warp totals of the scan
+    int* out = srt_g + (long long)blk * 3 * C * W;
+    // 1b. the table empty, the masks zero
+    for (int h = threadIdx.x; h < NB; h += blockDim.x) { tab_key[h] = ~0u; tab_top[h] = -1; }
+    for (int i = threadIdx.x; i < 4 * C; i += blockDim.x) rm[i] = 0ull;
+    __syncthreads();
+    // 2b. weights; each entry claims its slot's bucket and pushes itself on the bucket's list:
+    //     pos[i] = bucket << 16 | the entry pushed before it (0xFFFF: none). Bad ids share the
+    //     bucket of KEY_BAD.
+    for (int i = threadIdx.x; i < N2; i += blockDim.x) {
+      const unsigned slot = entry_slot(i, N, W, P, tok0, wi, aw, ri, cw, S, (unsigned)KEY_BAD,
+                                       wq_s, err);
+      unsigned h = (slot * 0x9E3779B1u) >> (32 - lg);
+      for (;;) {
+        const unsigned old = atomicCAS(tab_key + h, ~0u, slot);
+        if (old == ~0u || old == slot) break;
+        h = (h + 1) & (NB - 1);
+      }
+      const int below = atomicExch(tab_top + h, i);
+      pos[i] = (int)(h << 16) | (below & 0xFFFF);
+    }
+    __syncthreads();
+    // 3b. from the list's members (in any order): bits 16-31 of pos[i] become 1 + the
+    //     previous write (a write) or 1 + the last write (a read) of the slot, 0 for none or a
+    //     bad id (bits 0-15, the list link that other threads walk, stay); the read link goes
+    //     out; the run's first entry holds the run's size for the scan.
+    for (int i = threadIdx.x; i < N2; i += blockDim.x) {
+      const int code = pos[i], h = code >> 16;
+      int len = 0, rank = 0, first = i, prevw = -1, firstw = N, lastw = -1;
+      for (int m = tab_top[h]; m >= 0 && m != 0xFFFF; m = pos[m] & 0xFFFF) {
+        ++len;
+        rank += m < i;
+        first = min(first, m);
+        if (m < N) {
+          firstw = min(firstw, m);
+          lastw = max(lastw, m);
+          if (m < i) prevw = max(prevw, m);
+        }
+      }
+      const bool bad = tab_key[h] == (unsigned)KEY_BAD;
+      const int link = bad ? -1 : (i < N ? prevw : lastw);
+      pos[i] = ((link + 1) << 16) | (code & 0xFFFF);
+      if (i >= N) out[2 * C * W + i - N] = !bad && firstw < N ? firstw + 1 : 0;
+      run_off[i] = rank == 0 ? len : 0;
+      place[i] = first | rank << 14 | (bad ? 1 << 28 : 0);
+    }
+    __syncthreads();
+    // the runs' offsets: an exclusive scan of run_off over the entries
+    {
+      const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarp = blockDim.x >> 5;
+      const int per = (N2 + blockDim.x - 1) / blockDim.x;
+      const int lo = min(N2, (int)threadIdx.x * per), hi = min(N2, lo + per);
+      int own = 0;
+      for (int k = lo; k < hi; ++k) own += run_off[k];
+      int incl = own;
+      for (int o = 1; o < 32; o <<= 1) {
+        const int x = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += x;
+      }
+      if (lane == 31) wsum[warp] = incl;
+      __syncthreads();
+      if (warp == 0) {
+        const int tot = lane < nwarp ? wsum[lane] : 0;
+        int x = tot;
+        for (int o = 1; o < 32; o <<= 1) {
+          const int y = __shfl_up_sync(0xffffffffu, x, o);
+          if (lane >= o) x += y;
+        }
+        if (lane < nwarp) wsum[lane] = x - tot;
+      }
+      __syncthreads();
+      int run = wsum[warp] + incl - own;
+      for (int k = lo; k < hi; ++k) {
+        const int c = run_off[k];
+        run_off[k] = run;
+        run += c;
+      }
+    }
+    __syncthreads();
+    // each entry to its place: the run's offset + its rank
+    for (int i = threadIdx.x; i < N2; i += blockDim.x) {
+      const int pl = place[i], rank = (pl >> 14) & 0x3FFF;
+      out[run_off[pl & 0x3FFF] + rank] =
+          i | (rank == 0 ? RUN_HEAD : 0) | ((pl >> 28) & 1 ? RUN_BAD : 0);
+    }
+    __syncthreads();
+  } else if constexpr (HASH) {
     // The forward's form without a sort: a hash table of the chunk's write slots in the keys
     // region (M2max >= 2N buckets: slot, then the last entry pushed on the bucket's list).
     // 1h. the table empty, the masks zero
@@ -324,9 +430,10 @@ prepass_body(const I* __restrict__ wi, const A* __restrict__ aw, const I* __rest
     unsigned long long seen = 0;   // the row's entries written so far
     for (int w = 0; w < W; ++w) {
       const int q = (isH ? N : 0) + t * W + w;
-      if constexpr (HASH) {   // the same walks along the previous-write links of step 3h
+      if (HASH || hash2) {   // the same walks along the previous-write links of step 3h/3b
         const A wq = wq_s[q];
-        for (int q2 = isH ? pos[q] : (pos[q] >> 16) - 1; q2 >= 0; q2 = (pos[q2] >> 16) - 1) {
+        for (int q2 = isH && SPARSE == 1 ? pos[q] : (pos[q] >> 16) - 1; q2 >= 0;
+             q2 = (pos[q2] >> 16) - 1) {
           const int tau = q2 / W;
           if (isH ? tau > t : tau >= t) continue;
           const unsigned long long bit = 1ull << tau;

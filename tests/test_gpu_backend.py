@@ -166,7 +166,7 @@ def test_compile_time_variants_leave_results_bitwise_equal(rng, monkeypatch, mac
     """The benchmarks' compile-time variants (the forward's general gather instead of its
     fast path for full aligned pieces; its write rows loaded through registers instead of
     copied into shared memory with cp.async; the pre-pass's shared-memory-only sort, its
-    64-bit sort keys where 32 bits suffice, and its forward form's write slots sorted instead
+    64-bit sort keys where 32 bits suffice, and the slots of both its forms sorted instead
     of hashed; the backward's snapshots read from global memory
     instead of staged; the row gathers' L2 prefetch size) change no bit of the
     forward (with snapshots), of the backward's exact-owner gradients (bank, values)

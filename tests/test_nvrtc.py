@@ -89,8 +89,8 @@ def test_forward_cluster_experiment_compiles_for_sm90():
 @pytest.mark.parametrize("macro", ["-DSDM_PREPASS_KEY64", "-DSDM_PREPASS_SORT_WRITES"])
 def test_prepass_variants_compile_for_sm90(macro):
     """-DSDM_PREPASS_KEY64 (the pre-pass sorts 64-bit keys whatever S is) and
-    -DSDM_PREPASS_SORT_WRITES (the forward's form sorts its write slots instead of hashing
-    them); the bitwise compile-time-variant GPU test compares both with the default."""
+    -DSDM_PREPASS_SORT_WRITES (both forms sort their slots instead of hashing them); the
+    bitwise compile-time-variant GPU test compares both with the default."""
     for key in _build.module_keys("prepass"):
         names = _build._names("prepass", key)
         log, lowered, cubin = _build.nvrtc_compile(
