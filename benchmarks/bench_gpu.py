@@ -48,10 +48,10 @@ def timeit(fn, reps=10, warmup=2):
     return float(np.median(ts))
 
 
-def graph_time(fn, reps=20):
-    """Median device time of one replay of fn captured into a CUDA graph: no host launch cost.
-    The capture allocates from a pool of its own that nothing else uses afterwards, so the
-    graph's buffers stay its own while it lives."""
+def capture_graph(fn):
+    """fn captured into a CUDA graph on a non-blocking stream of its own, allocating from a
+    pool of its own that nothing else uses afterwards (so the graph's buffers stay its own
+    while it lives); replayed once. Returns (graph, stream, pool): keep all three alive."""
     stream = cp.cuda.Stream(non_blocking=True)
     pool = cp.cuda.MemoryPool()
     cp.cuda.Device().synchronize()
@@ -63,14 +63,23 @@ def graph_time(fn, reps=20):
         graph = stream.end_capture()
     graph.launch(stream)
     stream.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        a.record(stream)
-        graph.launch(stream)
-        b.record(stream)
-        b.synchronize()
-        ts.append(cp.cuda.get_elapsed_time(a, b) * 1e-3)
+    return graph, stream, pool
+
+
+def replay_time(graph, stream):
+    """Device time of one replay (CUDA events on the graph's stream), seconds."""
+    a, b = cp.cuda.Event(), cp.cuda.Event()
+    a.record(stream)
+    graph.launch(stream)
+    b.record(stream)
+    b.synchronize()
+    return cp.cuda.get_elapsed_time(a, b) * 1e-3
+
+
+def graph_time(fn, reps=20):
+    """Median device time of one replay of fn captured into a CUDA graph: no host launch cost."""
+    graph, stream, pool = capture_graph(fn)
+    ts = [replay_time(graph, stream) for _ in range(reps)]
     del graph
     pool.free_all_blocks()
     return float(np.median(ts))

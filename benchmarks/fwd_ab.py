@@ -7,7 +7,10 @@ variant alike (separate processes differed by up to 8% on one lease). Prints the
 quartiles per variant.
 
     python3 benchmarks/fwd_ab.py LABEL=FILE[:OPTIONS][@NAME=VALUE,...] ... [--source fwd]
-        [--reps 40] [--threads 256]
+        [--reps 40] [--threads 256] [--backward] [--check] [--graph]
+
+``--graph`` times replays of CUDA graphs, one captured per variant: device time alone, without
+the 0.1-0.3 ms of host time an eager call adds (and its noise).
 
 ``@NAME=VALUE`` sets launcher knobs of ``kernels/gpu.py`` for that variant only (integers or
 None), e.g. ``t32=../kernels/sdm_fwd.cu@TILE_WIDTH=32,THREADS=512``.
@@ -23,7 +26,7 @@ import numpy as np
 import cupy as cp
 
 import sdm_cupy as sdm
-from bench_gpu import make_inputs
+from bench_gpu import capture_graph, make_inputs, replay_time
 from sdm_cupy.kernels import _build as K
 from sdm_cupy.kernels import gpu
 
@@ -72,6 +75,9 @@ def main():
     ap.add_argument("--smem-pre", action="append", default=[], metavar="LABEL=BYTES",
                     help="pre-pass shared memory of a variant whose layout differs from gpu._smem's")
     ap.add_argument("--C", type=int, default=64, help="chunk size")
+    ap.add_argument("--graph", action="store_true",
+                    help="time replays of each variant's call captured in a CUDA graph (device "
+                         "time only) instead of eager calls")
     args = ap.parse_args()
     gpu.THREADS = args.threads
     B, T, P, hd, S, C = 4, 4096, 8, 128, 16384, args.C
@@ -158,8 +164,17 @@ def main():
         print(f"{label}: forward grid {grid} x {threads} threads, {smem} B shared memory: "
               f"{occupancy(fn, grid, threads, smem)}", flush=True)
     times = {var[0]: [] for var in variants}
+    graphs = {}
+    if args.graph:   # each variant's call captured once, with its own modules and knobs
+        for var in variants:
+            select(var)
+            graphs[var[0]] = capture_graph(call)
     for _ in range(args.reps):
         for var in variants:
+            if args.graph:
+                graph, stream, _ = graphs[var[0]]
+                times[var[0]].append(replay_time(graph, stream) * 1e3)
+                continue
             select(var)
             a, b = cp.cuda.Event(), cp.cuda.Event()
             a.record()
@@ -171,7 +186,8 @@ def main():
     what = ("forward+backward" if args.backward else
             "forward" + ("" if args.no_snapshots else " with snapshots"))
     print(f"{what}, W={args.W}, "
-          f"threads={args.threads}, variants of {args.source}, {args.reps} interleaved reps (ms):")
+          f"threads={args.threads}, variants of {args.source}, {args.reps} interleaved "
+          f"{'graph replays' if args.graph else 'reps'} (ms):")
     print("| variant | median | q25 | q75 |")
     print("| --- | ---: | ---: | ---: |")
     for label, ts in times.items():
