@@ -16,6 +16,9 @@ elementwise pass over both index arrays and one host sync) and, for comparison, 
 it (minimum and maximum of each array: four reductions, four syncs). A checked call waits for
 the device, so its host time includes the device time of the call before it.
 
+One more forward-only row clears the launcher's remembered plans before each call (how every
+call ran before stop 17).
+
 ``--profile`` adds a cProfile of the forward-only calls (top functions by own time).
 """
 
@@ -33,6 +36,7 @@ import cupy as cp
 import sdm_cupy as sdm
 from bench_gpu import make_inputs, timeit
 from sdm_cupy import _validate as V
+from sdm_cupy.kernels import gpu
 
 
 def main():
@@ -61,12 +65,17 @@ def main():
         V.check_index_range("read_idx", ri, S)
         return fwd_only()
 
+    def fwd_no_plan_cache():   # as before stop 17: the launcher computes its plans afresh
+        gpu._PLANS.clear()
+        return fwd_only()
+
     def fwd_bwd():
         res = sdm.forward(bank, wi, ww, v, beta, ri, rw, cfg, inplace=True, check_indices=False)
         return sdm.backward(res.saved, dr)
 
     rows = []
     for name, fn in (("forward (no snapshots)", fwd_only), ("forward+backward", fwd_bwd),
+                     ("forward, plans computed afresh", fwd_no_plan_cache),
                      ("forward, ids checked (one pass)", fwd_checked),
                      ("forward, ids checked per array (min, max)", fwd_checked_per_array)):
         for _ in range(3):

@@ -197,9 +197,27 @@ def _tile_width(lay: Layout, N: int, nsm: int, per_sm: int = 2, backward: bool =
     return min(lay.hd, -(-pieces // ntile) * N)
 
 
+_PLANS: dict = {}
+_PLANS_MAX = 256
+
+
 def plan(lay: Layout, config, *, quant=None, limits=None, backward=False) -> Plan:
-    """Chunk and tile sizes of a call; raises UnsupportedConfigurationError when nothing fits."""
-    nsm, smem_max, _ = limits or _device_limits()
+    """Chunk and tile sizes of a call; raises UnsupportedConfigurationError when nothing fits.
+    Plans are remembered per layout, mode, device limits and knob values (an eager forward
+    asked for up to two, about a tenth of a decode step's host time); a refusal is not."""
+    limits = limits or _device_limits()
+    key = (lay, quant, limits, backward, settings(), MAX_ENTRIES, KEEP_SMEM, E_STAGE, BE_STAGE)
+    pl = _PLANS.get(key)
+    if pl is None:
+        pl = _plan(lay, quant, limits, backward)
+        if len(_PLANS) >= _PLANS_MAX:
+            _PLANS.clear()
+        _PLANS[key] = pl
+    return pl
+
+
+def _plan(lay: Layout, quant, limits, backward) -> Plan:
+    nsm, smem_max, _ = limits
     if lay.W > MAX_ENTRIES:
         raise UnsupportedConfigurationError(
             f"the GPU backend sorts a chunk's C*W slot ids in shared memory and supports W <= "

@@ -126,3 +126,37 @@ def test_launcher_passes_exact_fastdiv_multipliers():
         m = np.uint64(gpu._magic(d))
         assert np.array_equal((n * m) >> np.uint64(32), n // np.uint64(d)), d
     assert gpu._magic(1) == 0   # FastDiv returns n itself for d = 1
+
+
+KNOBS = {"THREADS": 512, "BWD_THREADS": 256, "TILE_WIDTH": 32, "BWD_TILE_WIDTH": 64,
+         "BWD_SCRATCH": 10 ** 7, "FWD_CHUNK": 16, "KEEP_ROWS": False, "KEEP_SMEM": 64 * 1024,
+         "MAX_ENTRIES": 512, "E_STAGE": 256, "BE_STAGE": 512}
+
+
+@pytest.mark.parametrize("knob", list(KNOBS))
+def test_remembered_plans_follow_every_knob(monkeypatch, knob):
+    """gpu.plan remembers its plans; a knob set after a plan was remembered still decides the
+    next plan (it differs), which equals one computed afresh, and the old plan comes back with
+    the old value."""
+    if knob == "THREADS":   # the backward's block size, when BWD_THREADS leaves it to THREADS
+        monkeypatch.setattr(gpu, "BWD_THREADS", None)
+    lay = _layout(T=1000)
+    before = [gpu.plan(lay, _cfg(lay), limits=H200, backward=b) for b in (False, True)]
+    assert [gpu.plan(lay, _cfg(lay), limits=H200, backward=b) for b in (False, True)] == before
+    old = getattr(gpu, knob)
+    monkeypatch.setattr(gpu, knob, KNOBS[knob])
+    after = [gpu.plan(lay, _cfg(lay), limits=H200, backward=b) for b in (False, True)]
+    assert after == [gpu._plan(lay, None, H200, b) for b in (False, True)]
+    assert after != before, f"{knob} changes no plan of this layout: the test proves nothing"
+    monkeypatch.setattr(gpu, knob, old)
+    assert [gpu.plan(lay, _cfg(lay), limits=H200, backward=b) for b in (False, True)] == before
+
+
+def test_a_refused_plan_is_not_remembered(monkeypatch):
+    lay = _layout(W=100)
+    monkeypatch.setattr(gpu, "MAX_ENTRIES", 64)
+    n = len(gpu._PLANS)
+    for _ in range(2):
+        with pytest.raises(sdm.UnsupportedConfigurationError, match="W <= 64"):
+            gpu.plan(lay, _cfg(lay), limits=H200)
+    assert len(gpu._PLANS) == n
