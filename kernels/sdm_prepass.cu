@@ -141,6 +141,21 @@ __device__ __forceinline__ K entry_slot(int i, int N, int W, int P, long long to
   return bad;
 }
 
+// Entry i joins the hash table (nb buckets, nb = 2^lg; open addressing) at its slot's bucket
+// and pushes itself on the bucket's list. Returns bucket << 16 | the entry pushed before it
+// (0xFFFF: none), the form pos[] keeps.
+__device__ __forceinline__ int table_push(unsigned* tab_key, int* tab_top, int nb, int lg,
+                                          unsigned slot, int i) {
+  unsigned h = (slot * 0x9E3779B1u) >> (32 - lg);
+  for (;;) {
+    const unsigned old = atomicCAS(tab_key + h, ~0u, slot);
+    if (old == ~0u || old == slot) break;
+    h = (h + 1) & (nb - 1);
+  }
+  const int below = atomicExch(tab_top + h, i);
+  return (int)(h << 16) | (below & 0xFFFF);
+}
+
 template <typename A, typename I, int SPARSE, typename K>
 __device__ __forceinline__ void
 prepass_body(const I* __restrict__ wi, const A* __restrict__ aw, const I* __restrict__ ri,
@@ -216,14 +231,7 @@ prepass_body(const I* __restrict__ wi, const A* __restrict__ aw, const I* __rest
     for (int i = threadIdx.x; i < N2; i += blockDim.x) {
       const unsigned slot = entry_slot(i, N, W, P, tok0, wi, aw, ri, cw, S, (unsigned)KEY_BAD,
                                        wq_s, err);
-      unsigned h = (slot * 0x9E3779B1u) >> (32 - lg);
-      for (;;) {
-        const unsigned old = atomicCAS(tab_key + h, ~0u, slot);
-        if (old == ~0u || old == slot) break;
-        h = (h + 1) & (NB - 1);
-      }
-      const int below = atomicExch(tab_top + h, i);
-      pos[i] = (int)(h << 16) | (below & 0xFFFF);
+      pos[i] = table_push(tab_key, tab_top, NB, lg, slot, i);
     }
     __syncthreads();
     // 3b. from the list's members (in any order): bits 16-31 of pos[i] become 1 + the
@@ -307,14 +315,7 @@ prepass_body(const I* __restrict__ wi, const A* __restrict__ aw, const I* __rest
       const unsigned slot = entry_slot(i, N, W, P, tok0, wi, aw, ri, cw, S, (unsigned)KEY_BAD,
                                        wq_s, err);
       if (i < N) {
-        unsigned h = (slot * 0x9E3779B1u) >> (32 - lg);
-        for (;;) {
-          const unsigned old = atomicCAS(tab_key + h, ~0u, slot);
-          if (old == ~0u || old == slot) break;
-          h = (h + 1) & (M2max - 1);
-        }
-        const int below = atomicExch(tab_top + h, i);
-        pos[i] = (int)(h << 16) | (below & 0xFFFF);
+        pos[i] = table_push(tab_key, tab_top, M2max, lg, slot, i);
       } else {
         pos[i] = (int)slot;
       }
