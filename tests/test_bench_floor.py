@@ -54,3 +54,22 @@ def test_floor_bytes_follow_spec_section_10():
                 + B * S * D * 4             # the grad bank zeroed
                 + B * T * D * 2 + 2 * e * 4 + B * T * P * 4)   # gradients written
     assert fb - fwd == want_bwd
+
+
+def test_plot_draws_both_panels_from_a_saved_run(tmp_path):
+    """bench_gpu.plot (also ``bench_gpu.py --replot``) draws from a run's JSON alone: the floor
+    panel always, the FLA panel when FLA's device times are there."""
+    pytest.importorskip("matplotlib")
+    bg = _bench()
+    row = dict(case="headline", g_fwd_over_floor=2.1, g_fb_over_floor=2.36, g_fwd_ms=1.11,
+               g_fb_ms=4.64, floor_fwd_ms=0.528, floor_fb_ms=1.978)
+    out = dict(device="a GPU", copy_bw_TBs=4.2, rows=[row, dict(row, case="W=8")],
+               fla=dict(g_fwd_ms=0.29, g_fb_ms=0.88))
+    sizes = {}
+    for name, fla in (("both", out["fla"]), ("floor_only", {})):
+        path = tmp_path / f"{name}.png"
+        bg.plot(dict(out, fla=fla), str(path))
+        data = path.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n"
+        sizes[name] = int.from_bytes(data[16:20], "big")   # the image's width (IHDR)
+    assert sizes["both"] > sizes["floor_only"]              # the second panel widens the figure
