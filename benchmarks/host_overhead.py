@@ -11,10 +11,10 @@ Three timings per shape, after warm-up (medians over loops of ``--calls`` calls)
 * queued: CUDA events around ``--calls`` calls issued back to back (device time per call when
   the host keeps ahead, as in a training loop).
 
-Two more forward-only rows range-check the ids first (``check_indices=True``, the default: one
-elementwise pass over both index arrays and one host sync) and, for comparison, the way stops 1-16 did
-it (minimum and maximum of each array: four reductions, four syncs). A checked call waits for
-the device, so its host time includes the device time of the call before it.
+Two more forward-only rows range-check the ids first (``check_indices=True``, the default:
+one elementwise pass over both index arrays and one host sync) and, for comparison, the way
+stops 1-16 did it (minimum and maximum of each array: four reductions, four syncs). A checked
+call waits for the device, so its host time includes the device time of the call before it.
 
 One more forward-only row clears the launcher's remembered plans before each call (how every
 call ran before stop 17).

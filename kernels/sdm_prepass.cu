@@ -141,12 +141,24 @@ __device__ __forceinline__ K entry_slot(int i, int N, int W, int P, long long to
   return bad;
 }
 
-// Entry i joins the hash table (nb buckets, nb = 2^lg; open addressing) at its slot's bucket
-// and pushes itself on the bucket's list. Returns bucket << 16 | the entry pushed before it
-// (0xFFFF: none), the form pos[] keeps.
+// The hash tables of both forms: nb = 2^lg buckets, open addressing from a slot's home bucket;
+// tab_key[h] holds the bucket's slot (~0u: empty), tab_top[h] the last entry pushed on its
+// list (-1: none). table_clear empties the table and zeroes the CSR masks (the caller syncs).
+__device__ __forceinline__ unsigned table_home(unsigned slot, int lg) {
+  return (slot * 0x9E3779B1u) >> (32 - lg);
+}
+
+__device__ __forceinline__ void table_clear(unsigned* tab_key, int* tab_top, int nb,
+                                            unsigned long long* rm, int nrm) {
+  for (int h = threadIdx.x; h < nb; h += blockDim.x) { tab_key[h] = ~0u; tab_top[h] = -1; }
+  for (int i = threadIdx.x; i < nrm; i += blockDim.x) rm[i] = 0ull;
+}
+
+// Entry i joins the table at its slot's bucket and pushes itself on the bucket's list. Returns
+// bucket << 16 | the entry pushed before it (0xFFFF: none), the form pos[] keeps.
 __device__ __forceinline__ int table_push(unsigned* tab_key, int* tab_top, int nb, int lg,
                                           unsigned slot, int i) {
-  unsigned h = (slot * 0x9E3779B1u) >> (32 - lg);
+  unsigned h = table_home(slot, lg);
   for (;;) {
     const unsigned old = atomicCAS(tab_key + h, ~0u, slot);
     if (old == ~0u || old == slot) break;
@@ -222,8 +234,7 @@ prepass_body(const I* __restrict__ wi, const A* __restrict__ aw, const I* __rest
     int* wsum = place + N2;           // 32 warp totals of the scan
     int* out = srt_g + (long long)blk * 3 * C * W;
     // 1b. the table empty, the masks zero
-    for (int h = threadIdx.x; h < NB; h += blockDim.x) { tab_key[h] = ~0u; tab_top[h] = -1; }
-    for (int i = threadIdx.x; i < 4 * C; i += blockDim.x) rm[i] = 0ull;
+    table_clear(tab_key, tab_top, NB, rm, 4 * C);
     __syncthreads();
     // 2b. weights; each entry claims its slot's bucket and pushes itself on the bucket's list:
     //     pos[i] = bucket << 16 | the entry pushed before it (0xFFFF: none). Bad ids share the
@@ -305,8 +316,7 @@ prepass_body(const I* __restrict__ wi, const A* __restrict__ aw, const I* __rest
     unsigned* tab_key = reinterpret_cast<unsigned*>(keys);
     int* tab_top = reinterpret_cast<int*>(tab_key + M2max);
     const int lg = __ffs(M2max) - 1;
-    for (int h = threadIdx.x; h < M2max; h += blockDim.x) { tab_key[h] = ~0u; tab_top[h] = -1; }
-    for (int i = threadIdx.x; i < 4 * C; i += blockDim.x) rm[i] = 0ull;
+    table_clear(tab_key, tab_top, M2max, rm, 4 * C);
     __syncthreads();
     // 2h. weights; each write entry claims its slot's bucket and pushes itself on the bucket's
     //     list: pos[q] = bucket << 16 | the entry pushed before it (0xFFFF: none); a read
@@ -341,7 +351,7 @@ prepass_body(const I* __restrict__ wi, const A* __restrict__ aw, const I* __rest
         const unsigned slot = (unsigned)pos[i];
         int last = -1;
         if (slot != (unsigned)KEY_BAD) {
-          for (unsigned h = (slot * 0x9E3779B1u) >> (32 - lg);; h = (h + 1) & (M2max - 1)) {
+          for (unsigned h = table_home(slot, lg);; h = (h + 1) & (M2max - 1)) {
             const unsigned kk = tab_key[h];
             if (kk == slot) {
               for (int m = tab_top[h]; m >= 0 && m != 0xFFFF; m = pos[m] & 0xFFFF)
