@@ -97,3 +97,29 @@ def test_prepass_variants_compile_for_sm90(macro):
             "prepass", _build.source("prepass"), (*_build.options(), macro), names)
         assert len(lowered) == len(names) and len(cubin) > 0
         assert "warning" not in log.lower(), log[:3000]
+
+
+@pytest.mark.parametrize("case", [(4, 32, 0, 512, 1), (4, 16, 1, 256, 2)])
+def test_owner_ceiling_skeleton_compiles_for_sm90(case):
+    """benchmarks/owner_ceiling.py's timing skeleton (slot-owning clusters, stop 18) still
+    compiles without a warning, in both of its forms (PIPE 0 and 1), with the options and
+    shared memory its launcher uses."""
+    import importlib.util
+    import sys
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         "benchmarks")
+    sys.path.insert(0, bench)
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "owner_ceiling", os.path.join(bench, "owner_ceiling.py"))
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(bench)
+    K, C, pipe, nt, minb = case
+    assert case in mod.CASES
+    cap, opts = mod.options(K, C, 16, pipe, nt, minb)
+    assert mod.smem_bytes(K, C, 16, cap, pipe) <= 227 * 1024
+    log, _, cubin = _build.nvrtc_compile("owner", _build.inline_header(mod.SRC), opts, [])
+    assert len(cubin) > 0
+    assert "warning" not in log.lower(), log[:3000]
