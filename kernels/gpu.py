@@ -58,6 +58,10 @@ KEEP_ROWS = None            # forward keeps gathered write rows in shared memory
 KEEP_SMEM = 110 * 1024      # shared memory per block under which two blocks fit an SM (H100/H200)
 FWD_CHUNK = None            # upper bound of the forward's internal chunk (None: 64, 32 for
                             # double; benchmarks)
+STAGE_READS = False         # forward: wider column tiles, one block per SM of STAGE_THREADS,
+                            # the read rows staged in shared memory beside the kept write rows
+                            # (None: where that widens the tile and fits; True: where it fits)
+STAGE_THREADS = 512         # threads per forward block when its read rows are staged
 E_STAGE = 512               # CSR entries staged per chunk (kernels/sdm_fwd.cu)
 BE_STAGE = 1024             # the same for the backward (kernels/sdm_bwd.cu)
 FUSE_MAX_W = 64             # one-token chunks with W <= this skip the pre-pass launch
@@ -72,7 +76,7 @@ _ERRORS = {1: "write_idx values must lie in [0, num_memory_slots)",
 def settings() -> tuple:
     """The process-wide knobs the kernels read (part of a graph runner's key)."""
     return (TILE_WIDTH, THREADS, KEEP_ROWS, PREPASS_THREADS, BWD_THREADS, FUSE_THREADS,
-            BWD_TILE_WIDTH, BWD_SCRATCH, FWD_CHUNK)
+            BWD_TILE_WIDTH, BWD_SCRATCH, STAGE_READS, STAGE_THREADS, FWD_CHUNK)
 
 
 # ---- the device error word ------------------------------------------------------------------
@@ -130,6 +134,8 @@ class Plan:
     seg: int            # chunks per range of the backward (its pre-pass scratch)
     smem_bwd_snap: int = 0   # the backward with its chunk's exact snapshot rows staged in
                              # shared memory (0: they do not fit beside the rest)
+    rstage: bool = False     # the forward stages its read rows too (smem_fwd includes them)
+    fwd_threads: int = 0     # the forward's block size (0: THREADS)
 
 
 def _device_limits():
@@ -197,6 +203,19 @@ def _tile_width(lay: Layout, N: int, nsm: int, per_sm: int = 2, backward: bool =
     return min(lay.hd, -(-pieces // ntile) * N)
 
 
+def _stage_tile_width(lay: Layout, N: int, nsm: int) -> int:
+    """The forward's tile width when it stages its read rows: the widest tiles that still give
+    every (b, p) as many blocks as fit one wave of one block per multiprocessor, at least 2
+    pieces a tile (TILE_WIDTH overrides it)."""
+    if TILE_WIDTH is not None:
+        return min(lay.hd, -(-max(1, int(TILE_WIDTH)) // N) * N)
+    pieces = -(-lay.hd // N)
+    ntile = 1
+    while lay.B * lay.P * ntile * 2 <= nsm and -(-pieces // (ntile * 2)) >= 2:
+        ntile *= 2
+    return min(lay.hd, -(-pieces // ntile) * N)
+
+
 _PLANS: dict = {}
 _PLANS_MAX = 256
 
@@ -246,12 +265,23 @@ def _plan(lay: Layout, quant, limits, backward) -> Plan:
             f"head width hd={lay.hd} with snapshot_quant={quant!r} needs {need} "
             f"bytes of shared memory per block, more than this device's {smem_max}: the "
             "quantized kernels cannot tile it (one block holds a whole row to find its scale)")
-    ntile = -(-lay.hd // TW)
     Nt = -(-lay.T // C)
     if KEEP_ROWS is None:
         keep = fwd_keep <= (KEEP_SMEM if fwd <= KEEP_SMEM else smem_max)
     else:
         keep = bool(KEEP_ROWS) and fwd_keep <= smem_max
+    smem_fwd = fwd_keep if keep else fwd
+    rstage, fwd_threads = False, 0
+    if (not backward and STAGE_READS is not False and C > 1 and KEEP_ROWS is not False
+            and quant not in ("fp8_e4m3", "int8")):
+        # kernels/sdm_fwd.cu's read-row stage: the kept write rows and the read rows of a
+        # chunk, both in shared memory, at tiles sized for one block per multiprocessor
+        TWs = _stage_tile_width(lay, N, nsm)
+        _, _, keep_s, _ = _smem(C, lay.W, TWs, N, acc.itemsize, False, **sizes)
+        staged = keep_s + C * lay.W * (-(-TWs // N) * N) * sizes["bank_size"]
+        if staged <= smem_max and (STAGE_READS or TWs > TW):
+            TW, keep, smem_fwd, rstage, fwd_threads = TWs, True, staged, True, STAGE_THREADS
+    ntile = -(-lay.hd // TW)
     per_chunk = sum(n * np.dtype(dt).itemsize for n, dt in _bwd_scratch_rows(lay.W, C, acc))
     seg = max(1, min(Nt, BWD_SCRATCH // (lay.B * lay.P * per_chunk)))
     # kernels/sdm_bwd.cu's snapshot stage: C*W rows of the tile after the other regions; only
@@ -259,9 +289,9 @@ def _plan(lay: Layout, quant, limits, backward) -> Plan:
     bwd_snap = _r16(bwd) + C * lay.W * (-(-TW // N) * N) * np.dtype(lay.bank_dtype).itemsize
     if bwd_snap > (smem_max if bwd_per_sm == 1 else min(smem_max, KEEP_SMEM)):
         bwd_snap = 0
-    return Plan(C=C, Nt=Nt, TW=TW, ntile=ntile, N=N, smem_pre=pre,
-                smem_fwd=fwd_keep if keep else fwd, smem_bwd=bwd, keep=keep,
-                CS=_r16((2 if backward else 1) * C * C), seg=seg, smem_bwd_snap=bwd_snap)
+    return Plan(C=C, Nt=Nt, TW=TW, ntile=ntile, N=N, smem_pre=pre, smem_fwd=smem_fwd,
+                smem_bwd=bwd, keep=keep, CS=_r16((2 if backward else 1) * C * C), seg=seg,
+                smem_bwd_snap=bwd_snap, rstage=rstage, fwd_threads=fwd_threads)
 
 
 def check_config(lay: Layout, config) -> None:
@@ -384,13 +414,14 @@ def sdm_fwd(lay: Layout, config, bank, write_idx, write_w, values, beta, read_id
     else:  # never written (save=0); any typed array of the right dtype will do
         snap, scale = _snapshot_arrays(dataclasses.replace(lay, B=1, T=1, W=1, hd=1), mode)
     N = pl.N
-    # bits: 1 bank, 4 readings, 8 snapshots (16-byte pieces); 32 values (16-byte staging)
+    # bits: 1 bank, 4 readings, 8 snapshots (16-byte pieces); 32 values (16-byte staging);
+    # 64 the read rows staged in shared memory (the plan sized it)
     vecmask = (int(_aligned(bank, N)) | int(_aligned(out, N)) << 2
                | int(_aligned(snap, N)) << 3) if lay.hd % N == 0 else 0
-    vecmask |= int(_rows16(v, lay, pl)) << 5
+    vecmask |= int(_rows16(v, lay, pl)) << 5 | int(pl.rstage) << 6
     q = K.QUANT_CODE[mode]
     key = (lay.bank_dtype, vk, lay.index_dtype)
-    threads = THREADS
+    threads = pl.fwd_threads or THREADS
     if fuse:   # one token: its gather has NPC * WS tasks (kernels/sdm_fwd.cu)
         threads = FUSE_THREADS or _fuse_threads(-(-pl.TW // N), lay.W)
     _launch("fwd", key, K.fwd_name(lay.bank_dtype, vk, lay.index_dtype, q),

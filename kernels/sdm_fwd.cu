@@ -116,6 +116,9 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
 #else
   const bool rowcp = fast && keep && Q <= 1;
 #endif
+  // the read rows of a chunk go through shared memory too (cp.async, every piece in flight at
+  // once), after the write rows: the launcher sets it where both fit one block per SM
+  const bool rstage = rowcp && (vecmask & 64);
 #ifdef SDM_FWD_CLUSTER
   constexpr int CL = SDM_FWD_CLUSTER;
   if (!(rowcp && !fuse && ntile == CL && TW * CL == hd && C % CL == 0 &&
@@ -133,6 +136,7 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
   float* amax_s = reinterpret_cast<float*>(sp);
   sp += Q > 1 ? r16((long long)C * W * 4) : 0;
   T* keep_s = reinterpret_cast<T*>(sp);   // C*W rows of TWP (only when keep)
+  T* rkeep_s = keep_s + (long long)C * W * TWP;   // the read rows, C*W rows of TWP (rstage)
 
   T* bank_b = bank + (long long)b * S * D + p * hd + c0;
   const FastDiv divW(W, mW), divNPC(NPC, tile == ntile - 1 ? mNPC_last : mNPC);
@@ -364,9 +368,14 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
         const I id = g.wid[e];
         cp_async_row(keep_s + (long long)e * TWP + cc,
                      bank_b + (long long)(valid_id(id, S) ? id : 0) * D + cc);
+        if (rstage) {
+          const I jd = g.rid[e];
+          cp_async_row(rkeep_s + (long long)e * TWP + cc,
+                       bank_b + (long long)(valid_id(jd, S) ? jd : 0) * D + cc);
+        }
       }
       cp_commit();
-      for (int base = 0; base < total; base += blockDim.x) {
+      for (int base = 0; base < (rstage ? 0 : total); base += blockDim.x) {
         const int task = base + threadIdx.x, ws = task % WS, tp = task / WS;
         const bool act = task < total;
         const int t = tp / NPC, cc = (tp % NPC) * N;
@@ -417,9 +426,9 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
         const bool act = task < total;
         const int t = tp / NPC, cc = (tp % NPC) * N;
         const long long tok = tokb + (long long)t * P;
-        A x[N];
+        A x[N], y[N];
 #pragma unroll
-        for (int i = 0; i < N; ++i) x[i] = A(0);
+        for (int i = 0; i < N; ++i) { x[i] = A(0); y[i] = A(0); }
         if (act) {
           for (int w = ws; w < W; w += WS) {
             const int e = t * W + w;
@@ -433,17 +442,33 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
               x[i] = ok ? fma_(a, to_acc(m[i], A()), x[i]) : x[i];
             }
             if (save) save_piece<Q, A>(snap + (tok * W + w) * hd + c0 + cc, m, N, true);
+            if (rstage) {   // Y's terms in the register gather's order: w = ws, ws + WS, ...
+              const bool okr = valid_id(g.rid[e], S);
+              const A c = g.cw[e];
+              T mr[N];
+              load_raw<N>(mr, rkeep_s + (long long)e * TWP + cc, N, true);
+#pragma unroll
+              for (int i = 0; i < N; ++i) y[i] = okr ? fma_(c, to_acc(mr[i], A()), y[i]) : y[i];
+            }
           }
         }
         for (int o = 1; o < WS; o <<= 1) {
 #pragma unroll
           for (int i = 0; i < N; ++i) x[i] = add_(x[i], __shfl_xor_sync(0xffffffffu, x[i], o));
+          if (rstage) {
+#pragma unroll
+            for (int i = 0; i < N; ++i) y[i] = add_(y[i], __shfl_xor_sync(0xffffffffu, y[i], o));
+          }
         }
         if (act && ws == 0) {   // w0 = beta (v - X)
           const A bt = g.beta[t];
 #pragma unroll
           for (int i = 0; i < N; ++i)
             X_s[t * TWP + cc + i] = mul_(bt, sub_(to_acc(g.val[t * TVP + cc + i], A()), x[i]));
+          if (rstage) {
+#pragma unroll
+            for (int i = 0; i < N; ++i) Y_s[t * TWP + cc + i] = y[i];
+          }
         }
       }
     } else {
