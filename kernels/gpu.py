@@ -58,7 +58,7 @@ KEEP_ROWS = None            # forward keeps gathered write rows in shared memory
 KEEP_SMEM = 110 * 1024      # shared memory per block under which two blocks fit an SM (H100/H200)
 FWD_CHUNK = None            # upper bound of the forward's internal chunk (None: 64, 32 for
                             # double; benchmarks)
-STAGE_READS = False         # forward: wider column tiles, one block per SM of STAGE_THREADS,
+STAGE_READS = None          # forward: wider column tiles, one block per SM of STAGE_THREADS,
                             # the read rows staged in shared memory beside the kept write rows
                             # (None: where that widens the tile and fits; True: where it fits)
 STAGE_THREADS = 512         # threads per forward block when its read rows are staged

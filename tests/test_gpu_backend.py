@@ -153,6 +153,65 @@ def test_forward_kept_rows_and_staged_entries(rng, keep_rows, S, dtype):
     assert_close(fin, fin_ref, tol, "final bank")
 
 
+@pytest.mark.parametrize("case", [
+    (BF16, 150, 32, 12, 300, False),    # 16-column tiles, the last chunk 22 tokens
+    (BF16, 130, 48, 16, 4, True),       # repeated slots; 48 columns: a tile of 16 and of 32
+    (np.float32, 100, 16, 8, 40, False),
+    (np.float64, 70, 12, 5, 30, True)], ids=["bf16", "bf16-repeats", "f32", "f64"])
+def test_forward_read_row_stage_is_bitwise_the_register_gather(rng, monkeypatch, case):
+    """The forward's read rows staged in shared memory (gpu.STAGE_READS, automatic at the
+    headline: wider tiles, one 512-thread block per SM) give bitwise the readings, final bank
+    and snapshots of the register gather, with ids outside [0, S) among them (skipped, flagged,
+    nothing outside the bank touched); the backward after it rewinds the bank exactly. Forced
+    on with its wider tiles and off with the default ones, whatever this device's plan is."""
+    from sdm_cupy.kernels import gpu
+    dtype, T, hd, W, S, repeat = case
+    pb = make_problem(rng, B=2, T=T, P=2, hd=hd, S=S, W=W, dtype=dtype, repeat=repeat)
+    bad_w, bad_r = pb.write_idx.copy(), pb.read_idx.copy()
+    bad_w[0, 5, 1, 1], bad_r[1, T - 1, 0, W - 1], bad_r[0, 9, 1, 0] = S, -3, 10 ** 6
+    mask_w, mask_r = (bad_w < 0) | (bad_w >= S), (bad_r < 0) | (bad_r >= S)
+    ww, rw = pb.write_w.copy(), pb.read_w.copy()
+    ww[mask_w], rw[mask_r] = 0, 0
+    fixed = type(pb)(**{**pb.__dict__, "write_idx": np.where(mask_w, 0, bad_w),
+                        "read_idx": np.where(mask_r, 0, bad_r), "write_w": ww, "read_w": rw})
+    cfg = _cfg(pb, 64)
+    dr = cp.asarray(rng.normal(size=pb.values.shape).astype(dtype))
+    outs, pad = [], 4
+    for stage in (False, True):
+        monkeypatch.setattr(gpu, "STAGE_READS", stage)
+        lay = sdm._validate.layout(*(cp.asarray(a) for a in (pb.bank, bad_w, pb.write_w,
+                                                              pb.values, pb.beta, bad_r,
+                                                              pb.read_w)), cfg)
+        assert gpu.plan(lay, cfg).rstage == stage
+        x = pb.to(cp)
+        big = cp.asarray(rng.normal(size=(2 * pad + pb.B * pb.S, pb.P * hd)).astype(dtype))
+        guard = big.copy()
+        bank = big[pad:pad + pb.B * pb.S]
+        bank[...] = x.bank
+        guard[pad:pad + pb.B * pb.S] = bank
+        sdm.check_device_errors()
+        res = sdm.forward(bank, cp.asarray(bad_w), x.write_w, x.values, x.beta,
+                          cp.asarray(bad_r), x.read_w, cfg, inplace=True, check_indices=False)
+        snap = to_numpy(res.saved.snapshots[0])
+        r, fin = to_numpy(res.readings), to_numpy(bank)
+        with pytest.raises(ValueError, match="num_memory_slots"):
+            sdm.check_device_errors()
+        outside = np.r_[0:pad, pad + pb.B * pb.S:2 * pad + pb.B * pb.S]
+        assert bool(cp.array_equal(big[outside].view(cp.uint8), guard[outside].view(cp.uint8)))
+        g = sdm.backward(res.saved, dr)
+        with pytest.raises(ValueError):
+            sdm.check_device_errors()
+        assert np.array_equal(to_numpy(bank).view(np.uint8), pb.bank.view(np.uint8))
+        outs.append((r, fin, snap, to_numpy(g.bank), to_numpy(g.values)))
+    for name, a, b_ in zip(("readings", "final bank", "snapshots", "grad bank", "grad values"),
+                           *outs):
+        assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b_).view(np.uint8)), name
+    r_ref, fin_ref = reference_fwd(fixed)
+    tol = {np.dtype(np.float64): 1e-9, np.dtype(np.float32): 1e-4}.get(np.dtype(dtype), 5e-2)
+    assert_close(outs[1][0], r_ref, tol, "readings")
+    assert_close(outs[1][1], fin_ref, tol, "final bank")
+
+
 @pytest.mark.parametrize("macros", ["-DSDM_FWD_GENERAL_GATHER", "-DSDM_FWD_REG_GATHER",
                                     "-DSDM_PREPASS_PLAIN_SORT", "-DSDM_PREPASS_KEY64",
                                     "-DSDM_PREPASS_SORT_WRITES",

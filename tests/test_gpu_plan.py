@@ -40,7 +40,7 @@ def test_headline_backward_is_one_wave_with_bounded_scratch():
     assert 1 <= pl.seg <= pl.Nt
     assert lay.B * lay.P * pl.seg * _per_chunk(lay, pl) <= gpu.BWD_SCRATCH
     fwd = gpu.plan(lay, _cfg(lay), limits=H200)
-    assert (fwd.TW, fwd.ntile) == (16, 8) and fwd.CS == gpu._r16(64 * 64)
+    assert (fwd.TW, fwd.ntile) == (32, 4) and fwd.CS == gpu._r16(64 * 64)   # read rows staged
     assert pl.CS == gpu._r16(2 * 64 * 64)   # the backward's CSR holds four triangles
 
 
@@ -108,7 +108,7 @@ def test_forward_chunk_bound_applies_to_the_forward_only(monkeypatch, bound):
     assert fwd.C == (64 if bound is None else bound)
     assert fwd.Nt == -(-lay.T // fwd.C)
     assert bwd.C == 64
-    assert gpu.settings()[-1] == bound
+    assert gpu.settings()[-1] == bound   # FWD_CHUNK stays the last knob
 
 
 def test_launcher_passes_exact_fastdiv_multipliers():
@@ -128,7 +128,53 @@ def test_launcher_passes_exact_fastdiv_multipliers():
     assert gpu._magic(1) == 0   # FastDiv returns n itself for d = 1
 
 
-KNOBS = {"THREADS": 512, "BWD_THREADS": 256, "TILE_WIDTH": 32, "BWD_TILE_WIDTH": 64,
+def test_headline_forward_stages_its_read_rows_in_one_wave():
+    """At the headline the forward stages its read rows: 32-column tiles (one 512-thread
+    block per multiprocessor, 128 blocks), the kept write rows and the read rows of a chunk
+    (2 * 64 * 16 rows of 64 bytes) in shared memory beside the rest. Without the stage the
+    tiles are 16 columns, two blocks per multiprocessor. A float32 bank's rows do not fit, nor
+    do the 1-byte snapshot modes (one block holds whole rows), nor one-token chunks."""
+    lay = _layout()
+    pl = gpu.plan(lay, _cfg(lay), limits=H200)
+    assert pl.rstage and pl.keep and pl.fwd_threads == gpu.STAGE_THREADS == 512
+    assert (pl.TW, pl.ntile) == (32, 4) and lay.B * lay.P * pl.ntile <= H200[0]
+    _, _, keep, _ = gpu._smem(64, 16, 32, 8, 4, False, idx_size=4, val_size=2, bank_size=2)
+    assert pl.smem_fwd == keep + 64 * 16 * 32 * 2 <= H200[1]
+    lay32 = _layout(bank_dtype=np.dtype(np.float32), value_dtype=np.dtype(np.float32))
+    for lay_, quant in ((lay32, None), (lay, "int8"), (lay, "fp8_e4m3"), (_layout(C=1), None)):
+        assert not gpu.plan(lay_, _cfg(lay_), limits=H200, quant=quant).rstage, (lay_, quant)
+    for stage, want in ((False, (False, 16)), (True, (True, 32)), (None, (True, 32))):
+        old = gpu.STAGE_READS
+        try:
+            gpu.STAGE_READS = stage
+            pl = gpu._plan(lay, None, H200, False)
+        finally:
+            gpu.STAGE_READS = old
+        assert (pl.rstage, pl.TW) == want, stage
+    assert not gpu.plan(lay, _cfg(lay), limits=H200, backward=True).rstage
+
+
+def test_forward_read_stage_only_where_it_widens_the_tile():
+    """Automatic staging needs a wider tile than the two-blocks-per-SM plan: with B * P = 512
+    (more than an H200's blocks from whole rows already) both plans use whole 64-column rows,
+    so the forward keeps its register gather; gpu.STAGE_READS = True stages wherever it fits.
+    Where the stage does not fit (whole 128-column rows of W = 16 entries) nothing stages."""
+    lay = _layout(B=64, T=512, hd=64, W=4)
+    pl = gpu.plan(lay, _cfg(lay), limits=H200)
+    assert not pl.rstage and pl.TW == 64
+    old = gpu.STAGE_READS
+    try:
+        gpu.STAGE_READS = True
+        forced = gpu._plan(lay, None, H200, False)
+        big = _layout(B=64, T=512)
+        assert not gpu._plan(big, None, H200, False).rstage
+    finally:
+        gpu.STAGE_READS = old
+    assert forced.rstage and forced.TW == 64 and forced.smem_fwd <= H200[1]
+    assert forced.fwd_threads == 512
+
+
+KNOBS = {"STAGE_READS": False, "STAGE_THREADS": 256, "THREADS": 512, "BWD_THREADS": 256, "TILE_WIDTH": 32, "BWD_TILE_WIDTH": 64,
          "BWD_SCRATCH": 10 ** 7, "FWD_CHUNK": 16, "KEEP_ROWS": False, "KEEP_SMEM": 64 * 1024,
          "MAX_ENTRIES": 512, "E_STAGE": 256, "BE_STAGE": 512}
 
