@@ -119,10 +119,11 @@ def _t(dt) -> str:
     return CTYPE[np.dtype(dt)]
 
 
-def fwd_name(bank, vk, idx, q: int) -> str:
+def fwd_name(bank, vk, idx, q: int, rs: int = 0) -> str:
+    """The forward's instance; ``rs`` 1: its read rows staged in shared memory (q <= 1)."""
     acc = compute_dtype(bank, vk)
     return (f"sdm::sdm_fwd_kernel<{_t(bank)},{_t(vk)},{_t(acc)},{_t(idx)},{q},"
-            f"{vec_width(bank)}>")
+            f"{vec_width(bank)}{',1' if rs else ''}>")
 
 
 def bwd_name(bank, vk, gt, idx, q: int) -> str:
@@ -153,7 +154,9 @@ def _names(src: str, key: tuple) -> list:
         return list(batch_names(bank))
     bank, vk, idx = key
     if src == "fwd":
-        return [fwd_name(bank, vk, idx, QUANT_CODE[m]) for m in quant_modes(bank)]
+        return ([fwd_name(bank, vk, idx, QUANT_CODE[m]) for m in quant_modes(bank)]
+                + [fwd_name(bank, vk, idx, QUANT_CODE[m], 1) for m in quant_modes(bank)
+                   if QUANT_CODE[m] <= 1])
     return [bwd_name(bank, vk, gt, idx, QUANT_CODE[m])
             for gt in grad_dtypes(bank, vk) for m in quant_modes(bank)]
 

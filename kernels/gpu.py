@@ -60,7 +60,8 @@ FWD_CHUNK = None            # upper bound of the forward's internal chunk (None:
                             # double; benchmarks)
 STAGE_READS = None          # forward: wider column tiles, one block per SM of STAGE_THREADS,
                             # the read rows staged in shared memory beside the kept write rows
-                            # (None: where that widens the tile and fits; True: where it fits)
+                            # (None: where that widens the tile and fits; true: where it fits;
+                            # false or 0: never)
 STAGE_THREADS = 512         # threads per forward block when its read rows are staged
 E_STAGE = 512               # CSR entries staged per chunk (kernels/sdm_fwd.cu)
 BE_STAGE = 1024             # the same for the backward (kernels/sdm_bwd.cu)
@@ -272,14 +273,14 @@ def _plan(lay: Layout, quant, limits, backward) -> Plan:
         keep = bool(KEEP_ROWS) and fwd_keep <= smem_max
     smem_fwd = fwd_keep if keep else fwd
     rstage, fwd_threads = False, 0
-    if (not backward and STAGE_READS is not False and C > 1 and KEEP_ROWS is not False
-            and quant not in ("fp8_e4m3", "int8")):
+    if (not backward and (STAGE_READS is None or STAGE_READS) and C > 1
+            and KEEP_ROWS is not False and quant not in ("fp8_e4m3", "int8")):
         # kernels/sdm_fwd.cu's read-row stage: the kept write rows and the read rows of a
         # chunk, both in shared memory, at tiles sized for one block per multiprocessor
         TWs = _stage_tile_width(lay, N, nsm)
         _, _, keep_s, _ = _smem(C, lay.W, TWs, N, acc.itemsize, False, **sizes)
         staged = keep_s + C * lay.W * (-(-TWs // N) * N) * sizes["bank_size"]
-        if staged <= smem_max and (STAGE_READS or TWs > TW):
+        if staged <= smem_max and (STAGE_READS is not None or TWs > TW):
             TW, keep, smem_fwd, rstage, fwd_threads = TWs, True, staged, True, STAGE_THREADS
     ntile = -(-lay.hd // TW)
     per_chunk = sum(n * np.dtype(dt).itemsize for n, dt in _bwd_scratch_rows(lay.W, C, acc))
@@ -414,17 +415,16 @@ def sdm_fwd(lay: Layout, config, bank, write_idx, write_w, values, beta, read_id
     else:  # never written (save=0); any typed array of the right dtype will do
         snap, scale = _snapshot_arrays(dataclasses.replace(lay, B=1, T=1, W=1, hd=1), mode)
     N = pl.N
-    # bits: 1 bank, 4 readings, 8 snapshots (16-byte pieces); 32 values (16-byte staging);
-    # 64 the read rows staged in shared memory (the plan sized it)
+    # bits: 1 bank, 4 readings, 8 snapshots (16-byte pieces); 32 values (16-byte staging)
     vecmask = (int(_aligned(bank, N)) | int(_aligned(out, N)) << 2
                | int(_aligned(snap, N)) << 3) if lay.hd % N == 0 else 0
-    vecmask |= int(_rows16(v, lay, pl)) << 5 | int(pl.rstage) << 6
+    vecmask |= int(_rows16(v, lay, pl)) << 5
     q = K.QUANT_CODE[mode]
     key = (lay.bank_dtype, vk, lay.index_dtype)
     threads = pl.fwd_threads or THREADS
     if fuse:   # one token: its gather has NPC * WS tasks (kernels/sdm_fwd.cu)
         threads = FUSE_THREADS or _fuse_threads(-(-pl.TW // N), lay.W)
-    _launch("fwd", key, K.fwd_name(lay.bank_dtype, vk, lay.index_dtype, q),
+    _launch("fwd", key, K.fwd_name(lay.bank_dtype, vk, lay.index_dtype, q, int(pl.rstage)),
             lay.B * lay.P * pl.ntile, pl.smem_fwd,
             (bank, write_idx, write_w, v, beta, read_idx, read_w, sp_ptr, sp_col, sp_val, wrun,
              out, snap, scale if scale is not None else out, np.int32(lay.T), np.int32(lay.P),

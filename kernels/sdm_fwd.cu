@@ -88,7 +88,11 @@ struct FwdStage {
 // they took registers that the kernel, at its 128-register cap, spilled (NVRTC, headline
 // instance: 20/76 bytes of spill stores/loads before, 4/12 now). Measured on an H200 (stop 15,
 // RESULTS.md): forward 1.391 -> 1.376 ms, forward+backward 5.136 -> 4.977 ms, bitwise equal.
-template <typename T, typename V, typename A, typename I, int Q, int N>
+// RS = 1: the read rows of a chunk go through shared memory too (cp.async, every piece in
+// flight at once, beside the kept write rows), on the fast path; the launcher sizes the tiles
+// for one 512-thread block per SM (gpu.STAGE_READS). A template parameter rather than a flag:
+// the register gather's code in the same instance cost registers and spills (stop 18).
+template <typename T, typename V, typename A, typename I, int Q, int N, int RS = 0>
 __global__ void __launch_bounds__(512) SDM_FWD_CLUSTER_ATTR
 sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restrict__ aw,
                const V* __restrict__ vals, const A* __restrict__ beta,
@@ -116,9 +120,7 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
 #else
   const bool rowcp = fast && keep && Q <= 1;
 #endif
-  // the read rows of a chunk go through shared memory too (cp.async, every piece in flight at
-  // once), after the write rows: the launcher sets it where both fit one block per SM
-  const bool rstage = rowcp && (vecmask & 64);
+  const bool rstage = RS && rowcp;
 #ifdef SDM_FWD_CLUSTER
   constexpr int CL = SDM_FWD_CLUSTER;
   if (!(rowcp && !fuse && ntile == CL && TW * CL == hd && C % CL == 0 &&
