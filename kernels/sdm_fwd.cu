@@ -89,9 +89,9 @@ struct FwdStage {
 // instance: 20/76 bytes of spill stores/loads before, 4/12 now). Measured on an H200 (stop 15,
 // RESULTS.md): forward 1.391 -> 1.376 ms, forward+backward 5.136 -> 4.977 ms, bitwise equal.
 // RS = 1: the read rows of a chunk go through shared memory too (cp.async, every piece in
-// flight at once, beside the kept write rows), on the fast path with kept rows; the launcher
-// sizes the tiles for one 512-thread block per SM (gpu.STAGE_READS). A template parameter, its
-// code under `if constexpr`: the instances without it keep their machine code (stop 18).
+// flight at once, beside the kept write rows), on the fast path; the launcher sizes the tiles
+// for one 512-thread block per SM (gpu.STAGE_READS). A template parameter rather than a flag:
+// the register gather's code in the same instance cost registers and spills (stop 18).
 template <typename T, typename V, typename A, typename I, int Q, int N, int RS = 0>
 __global__ void __launch_bounds__(512) SDM_FWD_CLUSTER_ATTR
 sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restrict__ aw,
@@ -120,6 +120,7 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
 #else
   const bool rowcp = fast && keep && Q <= 1;
 #endif
+  const bool rstage = RS && rowcp;
 #ifdef SDM_FWD_CLUSTER
   constexpr int CL = SDM_FWD_CLUSTER;
   if (!(rowcp && !fuse && ntile == CL && TW * CL == hd && C % CL == 0 &&
@@ -137,8 +138,7 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
   float* amax_s = reinterpret_cast<float*>(sp);
   sp += Q > 1 ? r16((long long)C * W * 4) : 0;
   T* keep_s = reinterpret_cast<T*>(sp);   // C*W rows of TWP (only when keep)
-  // the read rows, C*W rows of TWP after the kept write rows (RS)
-  T* rkeep_s = RS ? keep_s + (long long)C * W * TWP : nullptr;
+  T* rkeep_s = keep_s + (long long)C * W * TWP;   // the read rows, C*W rows of TWP (rstage)
 
   T* bank_b = bank + (long long)b * S * D + p * hd + c0;
   const FastDiv divW(W, mW), divNPC(NPC, tile == ntile - 1 ? mNPC_last : mNPC);
@@ -365,31 +365,19 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
     } else
 #endif
     if (rowcp) {
-      if constexpr (RS) {
-        // every write-row and read-row piece of the chunk in flight at once; a thread keeps
-        // one piece of every row it copies when the block is a whole number of rows (no
-        // division per copy: stop 18's profile showed 50 instructions per piece with one)
-        const bool fixed = (int)blockDim.x % NPC == 0;
-        const int estep = fixed ? (int)blockDim.x / NPC : 0;
-        for (int i = threadIdx.x, e1 = fixed ? (int)threadIdx.x / NPC : 0; i < Ne * NPC;
-             i += blockDim.x, e1 += estep) {
-          const int e = fixed ? e1 : divNPC.div(i), cc = (i - e * NPC) * N;
-          const I id = g.wid[e], jd = g.rid[e];
-          cp_async_row(keep_s + (long long)e * TWP + cc,
-                       bank_b + (long long)(valid_id(id, S) ? id : 0) * D + cc);
-          cp_async_row(rkeep_s + (long long)e * TWP + cc,
-                       bank_b + (long long)(valid_id(jd, S) ? jd : 0) * D + cc);
-        }
-        cp_commit();
-      } else {
       for (int i = threadIdx.x; i < Ne * NPC; i += blockDim.x) {
         const int e = divNPC.div(i), cc = (i - e * NPC) * N;
         const I id = g.wid[e];
         cp_async_row(keep_s + (long long)e * TWP + cc,
                      bank_b + (long long)(valid_id(id, S) ? id : 0) * D + cc);
+        if (rstage) {
+          const I jd = g.rid[e];
+          cp_async_row(rkeep_s + (long long)e * TWP + cc,
+                       bank_b + (long long)(valid_id(jd, S) ? jd : 0) * D + cc);
+        }
       }
       cp_commit();
-      for (int base = 0; base < total; base += blockDim.x) {
+      for (int base = 0; base < (rstage ? 0 : total); base += blockDim.x) {
         const int task = base + threadIdx.x, ws = task % WS, tp = task / WS;
         const bool act = task < total;
         const int t = tp / NPC, cc = (tp % NPC) * N;
@@ -433,10 +421,8 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
           for (int i = 0; i < N; ++i) Y_s[t * TWP + cc + i] = y[i];
         }
       }
-      }
       cp_wait<0>();
       __syncthreads();
-      if constexpr (RS) {
       for (int base = 0; base < total; base += blockDim.x) {
         const int task = base + threadIdx.x, ws = task % WS, tp = task / WS;
         const bool act = task < total;
@@ -445,49 +431,6 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
         A x[N], y[N];
 #pragma unroll
         for (int i = 0; i < N; ++i) { x[i] = A(0); y[i] = A(0); }
-        if (act) {
-          for (int w = ws; w < W; w += WS) {
-            const int e = t * W + w;
-            const bool ok = valid_id(g.wid[e], S), okr = valid_id(g.rid[e], S);
-            const A a = g.aw[e], c = g.cw[e];
-            T m[N], mr[N];
-            load_raw<N>(m, keep_s + (long long)e * TWP + cc, N, true);
-            load_raw<N>(mr, rkeep_s + (long long)e * TWP + cc, N, true);
-#pragma unroll
-            for (int i = 0; i < N; ++i) {
-              m[i] = ok ? m[i] : From<T>::cvt(0.0f);
-              x[i] = ok ? fma_(a, to_acc(m[i], A()), x[i]) : x[i];
-              // Y's terms in the register gather's order: w = ws, ws + WS, ...
-              y[i] = okr ? fma_(c, to_acc(mr[i], A()), y[i]) : y[i];
-            }
-            if (save) save_piece<Q, A>(snap + (tok * W + w) * hd + c0 + cc, m, N, true);
-          }
-        }
-        for (int o = 1; o < WS; o <<= 1) {
-#pragma unroll
-          for (int i = 0; i < N; ++i) {
-            x[i] = add_(x[i], __shfl_xor_sync(0xffffffffu, x[i], o));
-            y[i] = add_(y[i], __shfl_xor_sync(0xffffffffu, y[i], o));
-          }
-        }
-        if (act && ws == 0) {   // w0 = beta (v - X)
-          const A bt = g.beta[t];
-#pragma unroll
-          for (int i = 0; i < N; ++i) {
-            X_s[t * TWP + cc + i] = mul_(bt, sub_(to_acc(g.val[t * TVP + cc + i], A()), x[i]));
-            Y_s[t * TWP + cc + i] = y[i];
-          }
-        }
-      }
-      } else {
-      for (int base = 0; base < total; base += blockDim.x) {
-        const int task = base + threadIdx.x, ws = task % WS, tp = task / WS;
-        const bool act = task < total;
-        const int t = tp / NPC, cc = (tp % NPC) * N;
-        const long long tok = tokb + (long long)t * P;
-        A x[N];
-#pragma unroll
-        for (int i = 0; i < N; ++i) x[i] = A(0);
         if (act) {
           for (int w = ws; w < W; w += WS) {
             const int e = t * W + w;
@@ -501,19 +444,34 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
               x[i] = ok ? fma_(a, to_acc(m[i], A()), x[i]) : x[i];
             }
             if (save) save_piece<Q, A>(snap + (tok * W + w) * hd + c0 + cc, m, N, true);
+            if (rstage) {   // Y's terms in the register gather's order: w = ws, ws + WS, ...
+              const bool okr = valid_id(g.rid[e], S);
+              const A c = g.cw[e];
+              T mr[N];
+              load_raw<N>(mr, rkeep_s + (long long)e * TWP + cc, N, true);
+#pragma unroll
+              for (int i = 0; i < N; ++i) y[i] = okr ? fma_(c, to_acc(mr[i], A()), y[i]) : y[i];
+            }
           }
         }
         for (int o = 1; o < WS; o <<= 1) {
 #pragma unroll
           for (int i = 0; i < N; ++i) x[i] = add_(x[i], __shfl_xor_sync(0xffffffffu, x[i], o));
+          if (rstage) {
+#pragma unroll
+            for (int i = 0; i < N; ++i) y[i] = add_(y[i], __shfl_xor_sync(0xffffffffu, y[i], o));
+          }
         }
         if (act && ws == 0) {   // w0 = beta (v - X)
           const A bt = g.beta[t];
 #pragma unroll
           for (int i = 0; i < N; ++i)
             X_s[t * TWP + cc + i] = mul_(bt, sub_(to_acc(g.val[t * TVP + cc + i], A()), x[i]));
+          if (rstage) {
+#pragma unroll
+            for (int i = 0; i < N; ++i) Y_s[t * TWP + cc + i] = y[i];
+          }
         }
-      }
       }
     } else {
       for (int base = 0; base < total; base += blockDim.x) {
@@ -696,23 +654,6 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
       }
     };
     if (keep) {
-      if constexpr (RS) {   // a thread keeps one piece, as in the row copies
-        const bool fixed = (int)blockDim.x % NPC == 0;
-        const int estep = fixed ? (int)blockDim.x / NPC : 0;
-        for (int task = threadIdx.x, e1 = fixed ? (int)threadIdx.x / NPC : 0;
-             task < Ne * NPC; task += blockDim.x, e1 += estep) {
-          const int e = fixed ? e1 : divNPC.div(task);
-          if ((g.wrun[e] & (W_HEAD | W_BAD)) != W_HEAD) continue;
-          const int cc = (task - e * NPC) * N;
-          T kr[N];
-          load_raw<N>(kr, keep_s + (long long)e * TWP + cc, N, true);
-          A m[N];
-#pragma unroll
-          for (int i = 0; i < N; ++i) m[i] = to_acc(kr[i], A());
-          add_run(m, e, cc);
-          store_piece<N>(bank_b + (long long)g.wid[e] * D + cc, m, min(N, tw - cc), vb);
-        }
-      } else {
       for (int task = threadIdx.x; task < Ne * NPC; task += blockDim.x) {
         const int e = divNPC.div(task);
         if ((g.wrun[e] & (W_HEAD | W_BAD)) != W_HEAD) continue;
@@ -732,7 +673,6 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
         for (int i = 0; i < N; ++i) m[i] = to_acc(kr[i], A());
         add_run(m, e, cc);
         store_piece<N>(bank_b + (long long)g.wid[e] * D + cc, m, min(N, tw - cc), vb);
-      }
       }
     } else {
       for (int base = threadIdx.x; base < Ne * NPC; base += SB * blockDim.x) {

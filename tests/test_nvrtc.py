@@ -32,8 +32,11 @@ def _per_source():
 def test_every_instance_is_listed():
     specs = _per_source()
     assert set(specs) == set(_build.SOURCES)
-    # 9 (bank, values) kinds x 2 index dtypes, each with its snapshot modes
-    assert len(specs["fwd"][2]) == 60
+    # 9 (bank, values) kinds x 2 index dtypes, each with its snapshot modes, and the forward's
+    # read-row stage (RS = 1) for the exact and bf16 modes
+    staged = [n for n in specs["fwd"][2] if n.endswith(",1>")]
+    assert len(specs["fwd"][2]) - len(staged) == 60 and len(staged) == 24
+    assert all(n.split(",")[4] in ("0", "1") for n in staged)   # Q <= 1
     assert len(specs["bwd"][2]) == 84
     assert len(specs["prepass"][2]) == 8   # the forward's and the backward's forms
 
