@@ -24,8 +24,10 @@ Process-wide settings the kernels read (a graph runner keys on ``settings()``):
 ``KEEP_ROWS`` (None: automatic) whether the forward keeps its gathered rows in shared memory,
 ``FUSE_THREADS`` (None: automatic) the block size of one-token (decoding) forwards,
 ``BWD_TILE_WIDTH`` (None: automatic) the backward's tile width, ``BWD_SCRATCH`` the backward's
-pre-pass scratch per range of chunks, ``FWD_CHUNK`` (None: no bound) an upper bound of the
-forward's internal chunk (benchmarks).
+pre-pass scratch per range of chunks, ``STAGE_READS`` (None: automatic) whether the forward
+stages its read rows in shared memory (wider tiles, one block of ``STAGE_THREADS`` per
+multiprocessor), ``FWD_CHUNK`` (None: no bound) an upper bound of the forward's internal chunk
+(benchmarks).
 """
 
 from __future__ import annotations
