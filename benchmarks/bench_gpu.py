@@ -138,8 +138,9 @@ def make_inputs(B, T, P, hd, S, W, seed=0):
 
 
 def bench_sdm(B, T, P, hd, S, W, C, bw, reps=10, tile=None, threads=256, keep=None,
-              bwd_threads=512, bwd_tile=None, graphs=True):
+              bwd_threads=512, bwd_tile=None, graphs=True, stage=None):
     gpu.TILE_WIDTH, gpu.THREADS, gpu.KEEP_ROWS = tile, threads, keep
+    gpu.STAGE_READS = stage   # None: the forward stages its read rows where the plan says
     gpu.BWD_THREADS, gpu.BWD_TILE_WIDTH = bwd_threads, bwd_tile
     bank, wi, ww, v, beta, ri, rw, dr = make_inputs(B, T, P, hd, S, W)
     cfg = sdm.SDMConfig(num_memory_slots=S, num_parallel=P, chunk_size=C)
@@ -358,7 +359,7 @@ def main():
               f"peak {r['peak_mb']:.0f} MB (need {r['need_mb']:.0f})", flush=True)
 
     run("headline")
-    run("headline fwd threads=512", threads=512)
+    run("headline register gather", stage=0)   # the forward's read rows through registers
     run("headline rows re-read", keep=False)
     run("headline W=8", W=8)
     run("headline bwd 256 threads", bwd_threads=256)
