@@ -64,7 +64,7 @@ STAGE_READS = None          # forward: wider column tiles, one block per SM of S
                             # the read rows staged in shared memory beside the kept write rows
                             # (None: where that widens the tile and fits; true: where it fits;
                             # false or 0: never)
-STAGE_THREADS = 512         # threads per forward block when its read rows are staged
+STAGE_THREADS = 512         # threads per forward block when its read rows are staged (<= 512)
 E_STAGE = 512               # CSR entries staged per chunk (kernels/sdm_fwd.cu)
 BE_STAGE = 1024             # the same for the backward (kernels/sdm_bwd.cu)
 FUSE_MAX_W = 64             # one-token chunks with W <= this skip the pre-pass launch
