@@ -155,7 +155,7 @@ def test_forward_kept_rows_and_staged_entries(rng, keep_rows, S, dtype):
 
 @pytest.mark.parametrize("case", [
     (BF16, 150, 32, 12, 300, False),    # 16-column tiles, the last chunk 22 tokens
-    (BF16, 130, 48, 16, 4, True),       # repeated slots; 48 columns: a tile of 16 and of 32
+    (BF16, 130, 48, 16, 4, True),       # repeated slots; 48 columns: three 16-column tiles
     (np.float32, 100, 16, 8, 40, False),
     (np.float64, 70, 12, 5, 30, True)], ids=["bf16", "bf16-repeats", "f32", "f64"])
 def test_forward_read_row_stage_is_bitwise_the_register_gather(rng, monkeypatch, case):
