@@ -356,18 +356,54 @@ def first_chunk_error(bank0, wi, ww, v, beta, ri, rw, out, snap, C):
     return e_snap, e_read
 
 
+def headline_setup():
+    """The headline's inputs (SPEC §10), the buffers a skeleton writes, the copy bandwidth and
+    the forward's byte floor in seconds for a chunk size (the host ids copied once)."""
+    B, T, P, hd, S, W = 4, 4096, 8, 128, 16384, 16
+    bw = copy_bandwidth()
+    inputs = make_inputs(B, T, P, hd, S, W)[:7]   # bank, wi, ww, v, beta, ri, rw
+    bank, wi, v, ri = inputs[0], inputs[1], inputs[3], inputs[5]
+    snap = cp.empty((B * T * P * W, hd), dtype=bank.dtype)
+    out = cp.empty_like(v)
+    wi_h, ri_h = wi.get(), ri.get()
+
+    def floor_s(C):
+        return floors(B, T, P, hd, S, W, C, wi_h, ri_h)[0] / bw
+    return (B, T, P, hd, S, W), bw, inputs, snap, out, floor_s
+
+
+def check_and_time(kern, grid, nt, smem, inputs, out, snap, Nt, C, prof, reps):
+    """One launch of a skeleton on a copy of the bank, its first chunk checked
+    (first_chunk_error), the bank restored, then its time (seconds) and the two errors."""
+    bank, wi, ww, v, beta, ri, rw = inputs
+    B, T, P, W = wi.shape
+    S = bank.shape[0] // B
+
+    def call():
+        kern((grid,), (nt,), (bank, wi, ww, v, beta, ri, rw, out, snap, np.int32(T),
+                              np.int32(P), np.int64(S), np.int32(Nt), prof), shared_mem=smem)
+    bank0 = bank.copy()
+    call()
+    err = first_chunk_error(bank0, wi, ww, v, beta, ri, rw, out, snap, C)
+    bank[...] = bank0
+    return timeit(call, reps=reps, warmup=3), err
+
+
+def sdm_forward_time(inputs, S, P, reps):
+    """Device time (CUDA-graph replays) of the product's forward at C = 64: pre-pass and
+    sdm_fwd, exact snapshots, in place."""
+    cfg = sdm.SDMConfig(num_memory_slots=S, num_parallel=P, chunk_size=64)
+    return graph_time(lambda: sdm.forward(*inputs, cfg, inplace=True,
+                                          check_indices=False).bank, reps), cfg
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
-    B, T, P, hd, S, W = 4, 4096, 8, 128, 16384, 16
-    bw = copy_bandwidth()
-    bank, wi, ww, v, beta, ri, rw, dr = make_inputs(B, T, P, hd, S, W)
-    snap = cp.empty((B * T * P * W, hd), dtype=bank.dtype)
-    out = cp.empty_like(v)
+    (B, T, P, hd, S, W), bw, inputs, snap, out, floor_s = headline_setup()
     rows, phases = [], []
     for K, C, pipe, nt, minb in CASES:
-        f_fwd, _ = floors(B, T, P, hd, S, W, C, wi.get(), ri.get())
         name = f"K={K}, C={C}, PIPE={pipe}, {nt} threads x {minb}"
         try:
             kern, smem = build(K, C, W, pipe, nt, minb)
@@ -378,16 +414,9 @@ def main():
         grid = B * P * K
 
         prof = cp.zeros((grid, 9), dtype=np.int64)
-
-        def call():
-            kern((grid,), (nt,), (bank, wi, ww, v, beta, ri, rw, out, snap, np.int32(T),
-                                  np.int32(P), np.int64(S), np.int32(Nt), prof), shared_mem=smem)
         try:
-            bank0 = bank.copy()
-            call()
-            err = first_chunk_error(bank0, wi, ww, v, beta, ri, rw, out, snap, C)
-            bank[...] = bank0
-            t = timeit(call, reps=args.reps, warmup=3)
+            t, err = check_and_time(kern, grid, nt, smem, inputs, out, snap, Nt, C, prof,
+                                    args.reps)
         except Exception as exc:  # noqa: BLE001
             rows.append((name, f"launch failed: {type(exc).__name__}: {str(exc)[:120]}"))
             continue
@@ -397,17 +426,14 @@ def main():
         cyc = pr[:, 2:].mean(0) / Nt / 1.98e3          # us per chunk at 1.98 GHz
         first = int((start < 0.25 * np.median(span)).sum())   # blocks resident from the start
         phases.append((name, f"{first} of {grid}", start.max(), np.median(span), cyc))
-        rows.append((name, f"{smem // 1024} KB | {t * 1e3:.3f} | {t / (f_fwd / bw):.2f} | "
+        rows.append((name, f"{smem // 1024} KB | {t * 1e3:.3f} | {t / floor_s(C):.2f} | "
                            f"{err[0]:.1e} / {err[1]:.1e}"))
-    # the product's forward in the same process: pre-pass and sdm_fwd, CUDA-graph replays
-    cfg = sdm.SDMConfig(num_memory_slots=S, num_parallel=P, chunk_size=64)
-    t_ours = graph_time(lambda: sdm.forward(bank, wi, ww, v, beta, ri, rw, cfg, inplace=True,
-                                            check_indices=False).bank, args.reps)
-    f64 = floors(B, T, P, hd, S, W, 64, wi.get(), ri.get())[0]
+    # the product's forward in the same process
+    t_ours, _ = sdm_forward_time(inputs, S, P, args.reps)
     rows.insert(0, ("sdm_cupy forward, C=64 (pre-pass + sdm_fwd, exact snapshots, graph)",
-                    f"- | {t_ours * 1e3:.3f} | {t_ours / (f64 / bw):.2f} | -"))
+                    f"- | {t_ours * 1e3:.3f} | {t_ours / floor_s(64):.2f} | -"))
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; C=64 forward floor "
-          f"{floors(B, T, P, hd, S, W, 64, wi.get(), ri.get())[0] / bw * 1e3:.3f} ms")
+          f"{floor_s(64) * 1e3:.3f} ms")
     print("| case | smem/block | ms | time / floor (at its C) | first chunk: snapshots / "
           "readings, max rel. error |")
     print("|---|---|---|---|---|")

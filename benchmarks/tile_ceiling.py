@@ -35,8 +35,8 @@ import numpy as np
 import cupy as cp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_gpu import copy_bandwidth, floors, graph_time, make_inputs, timeit  # noqa: E402
-from owner_ceiling import first_chunk_error  # noqa: E402
+from bench_gpu import timeit  # noqa: E402
+from owner_ceiling import check_and_time, headline_setup, sdm_forward_time  # noqa: E402
 
 import sdm_cupy as sdm  # noqa: E402
 from sdm_cupy.kernels import _build, gpu  # noqa: E402
@@ -197,14 +197,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
-    B, T, P, hd, S, W = 4, 4096, 8, 128, 16384, 16
-    bw = copy_bandwidth()
-    bank, wi, ww, v, beta, ri, rw, dr = make_inputs(B, T, P, hd, S, W)
-    snap = cp.empty((B * T * P * W, hd), dtype=bank.dtype)
-    out = cp.empty_like(v)
+    (B, T, P, hd, S, W), bw, inputs, snap, out, floor_s = headline_setup()
     rows, phases = [], []
     for TW, C, nt, minb in CASES:
-        f_fwd, _ = floors(B, T, P, hd, S, W, C, wi.get(), ri.get())
         name = f"TW={TW}, C={C}, {nt} threads x {minb}"
         smem = smem_bytes(TW, C, W)
         try:
@@ -217,32 +212,23 @@ def main():
         Nt = -(-T // C)
         grid = B * P * (hd // TW)
         prof = cp.zeros((grid, 4), dtype=np.int64)
-
-        def call():
-            kern((grid,), (nt,), (bank, wi, ww, v, beta, ri, rw, out, snap, np.int32(T),
-                                  np.int32(P), np.int64(S), np.int32(Nt), prof), shared_mem=smem)
-        bank0 = bank.copy()
-        call()
-        err = first_chunk_error(bank0, wi, ww, v, beta, ri, rw, out, snap, C)
-        bank[...] = bank0
-        t = timeit(call, reps=args.reps, warmup=3)
+        t, err = check_and_time(kern, grid, nt, smem, inputs, out, snap, Nt, C, prof, args.reps)
         cyc = prof.get().mean(0) / Nt / 1.98e3
         phases.append((name, cyc))
-        rows.append((name, f"{smem // 1024} KB | {grid} | {t * 1e3:.3f} | {t / (f_fwd / bw):.2f} | "
+        rows.append((name, f"{smem // 1024} KB | {grid} | {t * 1e3:.3f} | {t / floor_s(C):.2f} | "
                            f"{err[0]:.1e} / {err[1]:.1e}"))
-    cfg = sdm.SDMConfig(num_memory_slots=S, num_parallel=P, chunk_size=64)
-    t_ours = graph_time(lambda: sdm.forward(bank, wi, ww, v, beta, ri, rw, cfg, inplace=True,
-                                            check_indices=False).bank, args.reps)
-    lay = sdm._validate.layout(bank, wi, ww, v, beta, ri, rw, cfg)
+    t_ours, cfg = sdm_forward_time(inputs, S, P, args.reps)
+    bank, wi, ww, v, beta, ri, rw = inputs
+    lay = sdm._validate.layout(*inputs, cfg)
     pl = gpu.plan(lay, cfg)
     t_pre = timeit(lambda: gpu._prepass_sparse(lay, pl, np.dtype(np.float32), wi, ww, ri, rw,
                                                beta), args.reps)
-    f64 = floors(B, T, P, hd, S, W, 64, wi.get(), ri.get())[0]
+    f64 = floor_s(64)
     rows.insert(0, ("sdm_cupy forward, C=64 (graph, pre-pass included)",
-                    f"- | - | {t_ours * 1e3:.3f} | {t_ours / (f64 / bw):.2f} | -"))
+                    f"- | - | {t_ours * 1e3:.3f} | {t_ours / f64:.2f} | -"))
     rows.insert(1, ("sdm_cupy forward without its pre-pass (graph - pre-pass)",
-                    f"- | - | {(t_ours - t_pre) * 1e3:.3f} | {(t_ours - t_pre) / (f64 / bw):.2f} | -"))
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; C=64 forward floor {f64 / bw * 1e3:.3f} ms")
+                    f"- | - | {(t_ours - t_pre) * 1e3:.3f} | {(t_ours - t_pre) / f64:.2f} | -"))
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; C=64 forward floor {f64 * 1e3:.3f} ms")
     print("| case | smem/block | blocks | ms | time / floor (at its C) | first chunk: snapshots / "
           "readings, max rel. error |")
     print("|---|---|---|---|---|---|")

@@ -187,13 +187,17 @@ def _smem(C, W, TW, N, acc_size, quant, idx_size=4, val_size=4, bank_size=4):
     return pre, fwd, fwd_keep, bwd
 
 
-def _tile_width(lay: Layout, N: int, nsm: int, per_sm: int = 2, backward: bool = False) -> int:
+def _tile_width(lay: Layout, N: int, nsm: int, per_sm: int = 2, backward: bool = False,
+                one_wave: bool | None = None) -> int:
+    """Column-tile width. ``one_wave`` (default: ``backward``): the widest tiles that still fit
+    one wave of ``per_sm`` blocks per multiprocessor (the backward; the forward that stages
+    its read rows, per_sm = 1); else enough blocks for ``per_sm`` per multiprocessor."""
     force = BWD_TILE_WIDTH if backward and BWD_TILE_WIDTH is not None else TILE_WIDTH
     if force is not None:   # rounded up to whole pieces: tiles start 16-byte aligned
         return min(lay.hd, -(-max(1, int(force)) // N) * N)
     pieces = -(-lay.hd // N)
     ntile = 1
-    if backward:
+    if backward if one_wave is None else one_wave:
         # as many tiles as still fit one wave of `per_sm` blocks per multiprocessor (a block
         # walks all chunks: a second wave would double the time), at least 2 pieces a tile
         while (lay.B * lay.P * ntile * 2 <= per_sm * nsm
@@ -202,19 +206,6 @@ def _tile_width(lay: Layout, N: int, nsm: int, per_sm: int = 2, backward: bool =
         return min(lay.hd, -(-pieces // ntile) * N)
     # enough blocks for `per_sm` per multiprocessor, while a tile keeps at least 2 pieces
     while lay.B * lay.P * ntile < per_sm * nsm and -(-pieces // (ntile * 2)) >= 2:
-        ntile *= 2
-    return min(lay.hd, -(-pieces // ntile) * N)
-
-
-def _stage_tile_width(lay: Layout, N: int, nsm: int) -> int:
-    """The forward's tile width when it stages its read rows: the widest tiles that still give
-    every (b, p) as many blocks as fit one wave of one block per multiprocessor, at least 2
-    pieces a tile (TILE_WIDTH overrides it)."""
-    if TILE_WIDTH is not None:
-        return min(lay.hd, -(-max(1, int(TILE_WIDTH)) // N) * N)
-    pieces = -(-lay.hd // N)
-    ntile = 1
-    while lay.B * lay.P * ntile * 2 <= nsm and -(-pieces // (ntile * 2)) >= 2:
         ntile *= 2
     return min(lay.hd, -(-pieces // ntile) * N)
 
@@ -279,7 +270,7 @@ def _plan(lay: Layout, quant, limits, backward) -> Plan:
             and KEEP_ROWS is not False and quant not in ("fp8_e4m3", "int8")):
         # kernels/sdm_fwd.cu's read-row stage: the kept write rows and the read rows of a
         # chunk, both in shared memory, at tiles sized for one block per multiprocessor
-        TWs = _stage_tile_width(lay, N, nsm)
+        TWs = _tile_width(lay, N, nsm, per_sm=1, one_wave=True)
         _, _, keep_s, _ = _smem(C, lay.W, TWs, N, acc.itemsize, False, **sizes)
         staged = keep_s + C * lay.W * (-(-TWs // N) * N) * sizes["bank_size"]
         if staged <= smem_max and (STAGE_READS is not None or TWs > TW):
