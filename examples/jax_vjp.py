@@ -5,7 +5,7 @@ checked with jax 0.10.2; it has no autodiff of its own, hence the ``custom_vjp``
 the callback its buffers: the inputs (read-only) and the outputs, which the callback fills in
 place. ``sdm.from_dlpack`` views them
 without a copy — NumPy on the CPU, CuPy on the GPU, bfloat16 included — and on the GPU the op
-runs on XLA's own stream (``ctx.stream``, through ``cupy.cuda.ExternalStream``), so the data
+runs on XLA's own stream (``ctx.stream``, through ``sdm.external_stream``), so the data
 never goes through the host. The only copies are the op's results into XLA's output buffers
 (``sdm.forward`` allocates its own outputs).
 
@@ -58,8 +58,7 @@ def _on_stream(ctx, on_gpu: bool):
     """CuPy on XLA's stream (GPU); ``ctx.stream`` raises on the CPU, so only touch it there."""
     if not on_gpu:
         return contextlib.nullcontext()
-    import cupy
-    return cupy.cuda.ExternalStream(int(ctx.stream))
+    return sdm.external_stream(int(ctx.stream))
 
 
 def _fill(out_buffer, value):

@@ -3,7 +3,7 @@
 The forward hands torch's tensors to ``sdm.forward`` as NumPy (CPU) or CuPy (CUDA) views
 through DLPack, and hands the readings back the same way: no copies at the boundary, no trip
 through the host for CUDA tensors. The backward calls ``sdm.backward`` on the state the
-forward saved. On CUDA the op runs on torch's current stream (``cupy.cuda.ExternalStream``),
+forward saved. On CUDA the op runs on torch's current stream (``sdm.external_stream``),
 so nothing waits across streams.
 
 One copy is made on purpose: the final bank returned to torch is a copy of ``res.bank``,
@@ -30,9 +30,7 @@ def _op_stream(device: torch.device):
     """Run CuPy on torch's current stream (CUDA); nothing to do on the CPU."""
     if device.type != "cuda":
         return contextlib.nullcontext()
-    import cupy
-    return cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream,
-                                    device.index if device.index is not None else 0)
+    return sdm.external_stream(torch.cuda.current_stream(device))
 
 
 def _view(t):

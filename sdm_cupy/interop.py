@@ -34,8 +34,12 @@ the stream pointer); the producer makes that stream wait for its pending work on
 ``sdm.forward`` under the same ``with stream:`` — or synchronise before using it on another.
 In the other direction the consumer passes its stream to ``cupy.ndarray.__dlpack__`` and CuPy
 makes it wait for the work queued on CuPy's current stream. To avoid the cross-stream waits
-altogether, run CuPy on the framework's stream, e.g.
-``with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):``.
+altogether, run CuPy on the framework's stream: ``with sdm.external_stream(s):``, where ``s``
+is the framework's stream object (``torch.cuda.current_stream()``: anything with the CUDA
+stream protocol's ``__cuda_stream__``) or its raw ``cudaStream_t`` as an int (JAX's
+``ctx.stream``). It wraps the stream with ``cupy.cuda.Stream.from_external`` (CuPy 14.2
+deprecated ``cupy.cuda.ExternalStream`` for it), or with ``ExternalStream`` on a CuPy that lacks
+it.
 
 JAX
 ---
@@ -60,7 +64,7 @@ import ctypes
 import ml_dtypes
 import numpy as np
 
-__all__ = ["from_dlpack", "to_dlpack"]
+__all__ = ["from_dlpack", "to_dlpack", "external_stream"]
 
 _KDL_CPU, _KDL_CUDA, _KDL_CUDA_HOST, _KDL_CUDA_MANAGED = 1, 2, 3, 13
 _KDL_UINT, _KDL_BFLOAT = 1, 4
@@ -274,3 +278,41 @@ def to_dlpack(x):
     if not hasattr(x, "__dlpack__"):
         raise TypeError(f"to_dlpack: {type(x).__name__} does not implement __dlpack__")
     return x
+
+
+# ------------------------------------------------------------------ streams (CUDA)
+
+class _RawStream:
+    """A raw ``cudaStream_t`` (an int) seen through the CUDA stream protocol (version 0)."""
+
+    def __init__(self, ptr: int):
+        self.ptr = int(ptr)
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+def external_stream(stream):
+    """A CuPy stream over another library's CUDA stream, to run CuPy (and so ``forward`` and
+    ``backward``) on it: ``with external_stream(torch.cuda.current_stream()): ...``.
+
+    ``stream`` is an object with ``__cuda_stream__`` (PyTorch's streams, cuda.core's; a PyTorch
+    stream without it is taken by its ``cuda_stream``) or a raw ``cudaStream_t`` as an int (``torch.cuda.Stream.cuda_stream``, JAX's ``ctx.stream``). The
+    caller keeps the stream alive while CuPy uses it. Raises TypeError for anything else."""
+    import cupy
+
+    if not hasattr(stream, "__cuda_stream__") and isinstance(
+            getattr(stream, "cuda_stream", None), int):
+        stream = stream.cuda_stream          # a PyTorch stream from before the protocol
+    if isinstance(stream, (bool, np.bool_)) or not (
+            isinstance(stream, (int, np.integer)) or hasattr(stream, "__cuda_stream__")):
+        raise TypeError("stream: expected an object with __cuda_stream__ or a cudaStream_t "
+                        f"as an int, got {type(stream).__name__}")
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None:
+        return from_external(_RawStream(stream) if isinstance(stream, (int, np.integer))
+                             else stream)
+    if not isinstance(stream, (int, np.integer)):
+        version, ptr = stream.__cuda_stream__()
+        stream = ptr
+    return cupy.cuda.ExternalStream(int(stream))

@@ -307,6 +307,45 @@ def test_jax_cuda_both_ways(jax, jax_gpu, dt):
                                   cupy.asnumpy(y).astype(np.float32))
 
 
+@pytest.mark.parametrize("bad", [None, 1.5, "0x1", True, object()])
+def test_external_stream_refuses_what_is_not_a_stream(bad):
+    pytest.importorskip("cupy")
+    with pytest.raises(TypeError, match="stream: expected an object with __cuda_stream__"):
+        sdm.external_stream(bad)
+
+
+@pytest.mark.gpu
+def test_external_stream_wraps_a_raw_handle_without_deprecation():
+    import warnings
+
+    import cupy
+    own = cupy.cuda.Stream(non_blocking=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        s = sdm.external_stream(own.ptr)
+        with s:
+            assert cupy.cuda.get_current_stream().ptr == own.ptr
+            x = cupy.arange(5, dtype=cupy.float32) * 2
+        own.synchronize()
+    np.testing.assert_array_equal(cupy.asnumpy(x), np.arange(5, dtype=np.float32) * 2)
+
+
+@pytest.mark.gpu
+def test_external_stream_takes_torch_streams(torch):
+    import warnings
+
+    import cupy
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA")
+    ts = torch.cuda.Stream()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        with sdm.external_stream(ts):
+            assert cupy.cuda.get_current_stream().ptr == ts.cuda_stream
+        with sdm.external_stream(ts.cuda_stream):
+            assert cupy.cuda.get_current_stream().ptr == ts.cuda_stream
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dt", ["f32", "bf16"])
 def test_op_through_torch_cuda(torch, rng, dt):
@@ -315,7 +354,7 @@ def test_op_through_torch_cuda(torch, rng, dt):
         pytest.skip("torch has no CUDA")
     pb = make_problem(rng, B=2, T=9, P=2, hd=8, S=16, W=2, dtype=DTYPES[dt])
     tens = [torch.from_dlpack(sdm.to_dlpack(cupy.asarray(x))) for x in pb.args()]
-    with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+    with sdm.external_stream(torch.cuda.current_stream()):
         views = [sdm.from_dlpack(t) for t in tens]
         cfg = sdm.SDMConfig(num_memory_slots=pb.S, num_parallel=pb.P, chunk_size=4)
         res = sdm.forward(*views, cfg, needs_backward=False)
