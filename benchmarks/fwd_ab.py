@@ -7,7 +7,7 @@ variant alike (separate processes differed by up to 8% on one lease). Prints the
 quartiles per variant.
 
     python3 benchmarks/fwd_ab.py LABEL=FILE[:OPTIONS][@NAME=VALUE,...] ... [--source fwd]
-        [--reps 40] [--threads 256] [--backward] [--check] [--graph]
+        [--reps 40] [--threads 256] [--W 16] [--S 16384] [--C 64] [--backward] [--check] [--graph]
 
 ``--graph`` times replays of CUDA graphs, one captured per variant: device time alone, without
 the 0.1-0.3 ms of host time an eager call adds (and its noise).
@@ -75,12 +75,13 @@ def main():
     ap.add_argument("--smem-pre", action="append", default=[], metavar="LABEL=BYTES",
                     help="pre-pass shared memory of a variant whose layout differs from gpu._smem's")
     ap.add_argument("--C", type=int, default=64, help="chunk size")
+    ap.add_argument("--S", type=int, default=16384, help="memory slots")
     ap.add_argument("--graph", action="store_true",
                     help="time replays of each variant's call captured in a CUDA graph (device "
                          "time only) instead of eager calls")
     args = ap.parse_args()
     gpu.THREADS = args.threads
-    B, T, P, hd, S, C = 4, 4096, 8, 128, 16384, args.C
+    B, T, P, hd, S, C = 4, 4096, 8, 128, args.S, args.C
     bank, wi, ww, v, beta, ri, rw, dr = make_inputs(B, T, P, hd, S, args.W)
     cfg = sdm.SDMConfig(num_memory_slots=S, num_parallel=P, chunk_size=C)
     source, options, plan = K.source, K.options, gpu.plan

@@ -417,7 +417,11 @@ def sdm_fwd(lay: Layout, config, bank, write_idx, write_w, values, beta, read_id
     threads = pl.fwd_threads or THREADS
     if fuse:   # one token: its gather has NPC * WS tasks (kernels/sdm_fwd.cu)
         threads = FUSE_THREADS or _fuse_threads(-(-pl.TW // N), lay.W)
-    _launch("fwd", key, K.fwd_name(lay.bank_dtype, vk, lay.index_dtype, q, int(pl.rstage)),
+    # the staged instance holds only the fast path: whole 16-byte pieces of an aligned bank
+    # (and snapshots); elsewhere the plan's tiles run the other instance's general gather
+    rs = int(pl.rstage and bool(vecmask & 1) and (bool(vecmask & 8) or not save_snapshots)
+             and not fuse)
+    _launch("fwd", key, K.fwd_name(lay.bank_dtype, vk, lay.index_dtype, q, rs),
             lay.B * lay.P * pl.ntile, pl.smem_fwd,
             (bank, write_idx, write_w, v, beta, read_idx, read_w, sp_ptr, sp_col, sp_val, wrun,
              out, snap, scale if scale is not None else out, np.int32(lay.T), np.int32(lay.P),

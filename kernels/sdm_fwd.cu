@@ -110,15 +110,22 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
   const int NPC = (tw + N - 1) / N, TWP = ((TW + N - 1) / N) * N, TVP = (TWP + 7) & ~7;
   const bool vb = vecmask & 1, vo = vecmask & 4, vs = vecmask & 8, v16 = vecmask & 32;
   constexpr int NV = 16 / sizeof(V);   // values per 16-byte copy
+  // RS = 1 instances hold the fast path alone: kernels/gpu.py's sdm_fwd picks them only for
+  // an aligned bank (and snapshots) cut into whole 16-byte pieces, with kept rows, Q <= 1 and
+  // no fuse. Without the general gather's code the instance is a fifth smaller and spills 4/4
+  // bytes instead of 12/52 (stop 19, H200 headline: forward 1.078 -> 1.014 ms, bitwise equal).
+  // A device-side check of those conditions (__trap) let the compiler specialize further and
+  // cost half of that gain (1.034 ms), so the launcher's rule is the only guard.
+  constexpr bool FIX = RS != 0;
 #ifdef SDM_FWD_GENERAL_GATHER   // benchmarks: the general path only, for comparison
   const bool fast = false;
 #else
-  const bool fast = vb && (vs || !save) && tw % N == 0;
+  const bool fast = FIX || (vb && (vs || !save) && tw % N == 0);
 #endif
 #ifdef SDM_FWD_REG_GATHER   // benchmarks: write rows through registers too, for comparison
   const bool rowcp = false;
 #else
-  const bool rowcp = fast && keep && Q <= 1;
+  const bool rowcp = FIX ? fast : fast && keep && Q <= 1;
 #endif
   const bool rstage = RS && rowcp;
 #ifdef SDM_FWD_CLUSTER

@@ -245,6 +245,47 @@ def test_compile_time_variants_leave_results_bitwise_equal(rng, monkeypatch, mac
     assert np.array_equal(outs[0][4].view(np.uint8), pb.bank.view(np.uint8))
 
 
+@pytest.mark.parametrize("dtype", [BF16, np.float32], ids=["bf16", "f32"])
+def test_staged_plan_with_a_misaligned_bank_runs_the_general_gather(rng, monkeypatch, dtype):
+    """The staged forward instance (RS = 1) holds only the fast path: whole 16-byte pieces of
+    an aligned bank. A bank one element off 16-byte alignment, under a plan that stages, runs
+    the other instance's general gather instead, with bitwise the results of the staged run
+    from an aligned bank (same entries, same order), and the backward rewinds it exactly."""
+    from sdm_cupy.kernels import gpu
+    monkeypatch.setattr(gpu, "STAGE_READS", True)
+    pb = make_problem(rng, B=2, T=100, P=2, hd=32, S=200, W=8, dtype=dtype)
+    cfg = _cfg(pb, 64)
+    dr = cp.asarray(rng.normal(size=pb.values.shape).astype(dtype))
+    names = []
+    launch = gpu._launch
+    monkeypatch.setattr(gpu, "_launch", lambda src, key, name, *a, **k: (
+        names.append(name), launch(src, key, name, *a, **k)))
+    outs = []
+    for off in (0, 1):
+        x = pb.to(cp)
+        flat = cp.zeros(x.bank.size + 16, dtype=x.bank.dtype)
+        bank = flat[off:off + x.bank.size].reshape(x.bank.shape)
+        bank[...] = x.bank
+        assert (bank.data.ptr % 16 == 0) == (off == 0)
+        lay = sdm._validate.layout(bank, *x.inputs, cfg)
+        assert gpu.plan(lay, cfg).rstage
+        names.clear()
+        res = sdm.forward(bank, *x.inputs, cfg, inplace=True)
+        fwd = [n for n in names if "sdm_fwd_kernel" in n]
+        assert len(fwd) == 1 and fwd[0].endswith(",1>") == (off == 0), fwd
+        r, fin, snap = (to_numpy(res.readings), to_numpy(bank),
+                        to_numpy(res.saved.snapshots[0]))
+        g = sdm.backward(res.saved, dr)
+        assert np.array_equal(to_numpy(bank).view(np.uint8), pb.bank.view(np.uint8))
+        outs.append((r, fin, snap, to_numpy(g.bank)))
+    for name, a, b_ in zip(("readings", "final bank", "snapshots", "grad bank"), *outs):
+        assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b_).view(np.uint8)), name
+    r_ref, fin_ref = reference_fwd(pb)
+    tol = 1e-4 if np.dtype(dtype) == np.float32 else 5e-2
+    assert_close(outs[1][0], r_ref, tol, "readings")
+    assert_close(outs[1][1], fin_ref, tol, "final bank")
+
+
 @pytest.mark.parametrize("W", [3, 40, 64, 80], ids=lambda w: f"W{w}")
 def test_one_token_chunks_match_reference(rng, W):
     """C = 1 (decoding): up to W = 64 the forward finds a token's overlaps itself (W > 32 puts
