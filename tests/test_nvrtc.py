@@ -21,6 +21,23 @@ from sdm_cupy.kernels import _build  # noqa: E402
 pytestmark = pytest.mark.nvrtc
 
 
+def _bench_module(name: str):
+    """benchmarks/<name>.py imported by path (with benchmarks/ on sys.path meanwhile, for its
+    own imports of its neighbours)."""
+    import importlib.util
+    import sys
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         "benchmarks")
+    sys.path.insert(0, bench)
+    try:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(bench, f"{name}.py"))
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(bench)
+    return mod
+
+
 def _per_source():
     merged = {}
     for src, text, opts, names in _build.module_specs():
@@ -107,18 +124,7 @@ def test_owner_ceiling_skeleton_compiles_for_sm90(case):
     """benchmarks/owner_ceiling.py's timing skeleton (slot-owning clusters, stop 18) still
     compiles without a warning, in both of its forms (PIPE 0 and 1), with the options and
     shared memory its launcher uses."""
-    import importlib.util
-    import sys
-    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                         "benchmarks")
-    sys.path.insert(0, bench)
-    try:
-        spec = importlib.util.spec_from_file_location(
-            "owner_ceiling", os.path.join(bench, "owner_ceiling.py"))
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(bench)
+    mod = _bench_module("owner_ceiling")
     K, C, pipe, nt, minb = case
     assert case in mod.CASES
     cap, opts = mod.options(K, C, 16, pipe, nt, minb)
@@ -126,3 +132,21 @@ def test_owner_ceiling_skeleton_compiles_for_sm90(case):
     log, _, cubin = _build.nvrtc_compile("owner", _build.inline_header(mod.SRC), opts, [])
     assert len(cubin) > 0
     assert "warning" not in log.lower(), log[:3000]
+
+
+def test_staged_forward_instance_holds_its_fast_path_alone():
+    """The forward's RS = 1 instances compile only the fast path (kernels/sdm_fwd.cu's FIX):
+    at the headline's key the staged instance is far smaller than the RS = 0 one that keeps
+    every path, and spills at most 8 bytes each way (stop 19: 6,808 against 8,824
+    instructions, 4/4 bytes; the smaller code ran 5.9% faster). benchmarks/code_size.py
+    reads the instructions from the cubin and the spills from ptxas -v."""
+    import ml_dtypes
+    import numpy as np
+    mod = _bench_module("code_size")
+    bf16, i32 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.int32)
+    names = [_build.fwd_name(bf16, bf16, i32, 0, rs) for rs in (0, 1)]
+    got = mod.sizes("fwd", _build.source("fwd"), _build.options(), names)
+    (n0, r0, _, _), (n1, r1, st1, ld1) = got[names[0]], got[names[1]]
+    assert n0 > 1000 and 0 < r0 <= 128 and 0 < r1 <= 128, got
+    assert n1 < 0.85 * n0, got
+    assert st1 <= 8 and ld1 <= 8, got
