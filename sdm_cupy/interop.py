@@ -297,22 +297,19 @@ def external_stream(stream):
     ``backward``) on it: ``with external_stream(torch.cuda.current_stream()): ...``.
 
     ``stream`` is an object with ``__cuda_stream__`` (PyTorch's streams, cuda.core's; a PyTorch
-    stream without it is taken by its ``cuda_stream``) or a raw ``cudaStream_t`` as an int (``torch.cuda.Stream.cuda_stream``, JAX's ``ctx.stream``). The
-    caller keeps the stream alive while CuPy uses it. Raises TypeError for anything else."""
+    stream without it is taken by its ``cuda_stream``) or a raw ``cudaStream_t`` as an int
+    (``torch.cuda.Stream.cuda_stream``, JAX's ``ctx.stream``). The caller keeps the stream
+    alive while CuPy uses it. Raises TypeError for anything else."""
     import cupy
 
     if not hasattr(stream, "__cuda_stream__") and isinstance(
             getattr(stream, "cuda_stream", None), int):
         stream = stream.cuda_stream          # a PyTorch stream from before the protocol
-    if isinstance(stream, (bool, np.bool_)) or not (
-            isinstance(stream, (int, np.integer)) or hasattr(stream, "__cuda_stream__")):
+    raw = isinstance(stream, (int, np.integer)) and not isinstance(stream, bool)
+    if not raw and not hasattr(stream, "__cuda_stream__"):
         raise TypeError("stream: expected an object with __cuda_stream__ or a cudaStream_t "
                         f"as an int, got {type(stream).__name__}")
     from_external = getattr(cupy.cuda.Stream, "from_external", None)
     if from_external is not None:
-        return from_external(_RawStream(stream) if isinstance(stream, (int, np.integer))
-                             else stream)
-    if not isinstance(stream, (int, np.integer)):
-        version, ptr = stream.__cuda_stream__()
-        stream = ptr
-    return cupy.cuda.ExternalStream(int(stream))
+        return from_external(_RawStream(stream) if raw else stream)
+    return cupy.cuda.ExternalStream(int(stream) if raw else stream.__cuda_stream__()[1])
