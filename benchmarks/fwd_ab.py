@@ -7,7 +7,8 @@ variant alike (separate processes differed by up to 8% on one lease). Prints the
 quartiles per variant.
 
     python3 benchmarks/fwd_ab.py LABEL=FILE[:OPTIONS][@NAME=VALUE,...] ... [--source fwd]
-        [--reps 40] [--threads 256] [--W 16] [--S 16384] [--C 64] [--backward] [--check] [--graph]
+        [--reps 40] [--threads 256] [--W 16] [--S 16384] [--hd 128] [--float32] [--C 64]
+        [--backward] [--check] [--graph]
 
 ``--graph`` times replays of CUDA graphs, one captured per variant: device time alone, without
 the 0.1-0.3 ms of host time an eager call adds (and its noise).
@@ -76,13 +77,18 @@ def main():
                     help="pre-pass shared memory of a variant whose layout differs from gpu._smem's")
     ap.add_argument("--C", type=int, default=64, help="chunk size")
     ap.add_argument("--S", type=int, default=16384, help="memory slots")
+    ap.add_argument("--hd", type=int, default=128, help="head width")
+    ap.add_argument("--float32", action="store_true",
+                    help="float32 bank, values and reading grads (default bfloat16)")
     ap.add_argument("--graph", action="store_true",
                     help="time replays of each variant's call captured in a CUDA graph (device "
                          "time only) instead of eager calls")
     args = ap.parse_args()
     gpu.THREADS = args.threads
-    B, T, P, hd, S, C = 4, 4096, 8, 128, args.S, args.C
+    B, T, P, hd, S, C = 4, 4096, 8, args.hd, args.S, args.C
     bank, wi, ww, v, beta, ri, rw, dr = make_inputs(B, T, P, hd, S, args.W)
+    if args.float32:
+        bank, v, dr = (x.astype(np.float32) for x in (bank, v, dr))
     cfg = sdm.SDMConfig(num_memory_slots=S, num_parallel=P, chunk_size=C)
     source, options, plan = K.source, K.options, gpu.plan
     smem_pre = dict((lab, int(n)) for lab, n in (x.split("=") for x in args.smem_pre))
@@ -186,7 +192,7 @@ def main():
     sdm.check_device_errors()
     what = ("forward+backward" if args.backward else
             "forward" + ("" if args.no_snapshots else " with snapshots"))
-    print(f"{what}, W={args.W}, "
+    print(f"{what}, W={args.W}, S={S}, hd={hd}, {'float32' if args.float32 else 'bfloat16'}, "
           f"threads={args.threads}, variants of {args.source}, {args.reps} interleaved "
           f"{'graph replays' if args.graph else 'reps'} (ms):")
     print("| variant | median | q25 | q75 |")

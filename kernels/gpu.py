@@ -26,8 +26,9 @@ Process-wide settings the kernels read (a graph runner keys on ``settings()``):
 ``BWD_TILE_WIDTH`` (None: automatic) the backward's tile width, ``BWD_SCRATCH`` the backward's
 pre-pass scratch per range of chunks, ``STAGE_READS`` (None: automatic) whether the forward
 stages its read rows in shared memory (wider tiles, one block of ``STAGE_THREADS`` per
-multiprocessor), ``FWD_CHUNK`` (None: no bound) an upper bound of the forward's internal chunk
-(benchmarks).
+multiprocessor), ``STAGE_MIN_CHUNK`` the shortest chunk the forward halves its chunk to for a
+stage that fits, ``FWD_CHUNK`` and ``BWD_CHUNK`` (None: no bound) upper bounds of the forward's
+and the backward's internal chunk (benchmarks).
 """
 
 from __future__ import annotations
@@ -60,11 +61,13 @@ KEEP_ROWS = None            # forward keeps gathered write rows in shared memory
 KEEP_SMEM = 110 * 1024      # shared memory per block under which two blocks fit an SM (H100/H200)
 FWD_CHUNK = None            # upper bound of the forward's internal chunk (None: 64, 32 for
                             # double; benchmarks)
+BWD_CHUNK = None            # the same for the backward (benchmarks)
 STAGE_READS = None          # forward: wider column tiles, one block per SM of STAGE_THREADS,
                             # the read rows staged in shared memory beside the kept write rows
                             # (None: where that widens the tile and fits; true: where it fits;
                             # false or 0: never)
 STAGE_THREADS = 512         # threads per forward block when its read rows are staged (<= 512)
+STAGE_MIN_CHUNK = 16        # the forward halves its chunk, down to this, for a stage that fits
 E_STAGE = 512               # CSR entries staged per chunk (kernels/sdm_fwd.cu)
 BE_STAGE = 1024             # the same for the backward (kernels/sdm_bwd.cu)
 FUSE_MAX_W = 64             # one-token chunks with W <= this skip the pre-pass launch
@@ -79,7 +82,8 @@ _ERRORS = {1: "write_idx values must lie in [0, num_memory_slots)",
 def settings() -> tuple:
     """The process-wide knobs the kernels read (part of a graph runner's key)."""
     return (TILE_WIDTH, THREADS, KEEP_ROWS, PREPASS_THREADS, BWD_THREADS, FUSE_THREADS,
-            BWD_TILE_WIDTH, BWD_SCRATCH, STAGE_READS, STAGE_THREADS, FWD_CHUNK)
+            BWD_TILE_WIDTH, BWD_SCRATCH, STAGE_READS, STAGE_THREADS, STAGE_MIN_CHUNK, BWD_CHUNK,
+            FWD_CHUNK)
 
 
 # ---- the device error word ------------------------------------------------------------------
@@ -214,22 +218,27 @@ _PLANS: dict = {}
 _PLANS_MAX = 256
 
 
-def plan(lay: Layout, config, *, quant=None, limits=None, backward=False) -> Plan:
+def plan(lay: Layout, config, *, quant=None, limits=None, backward=False,
+         exact_snapshots=True) -> Plan:
     """Chunk and tile sizes of a call; raises UnsupportedConfigurationError when nothing fits.
-    Plans are remembered per layout, mode, device limits and knob values (an eager forward
-    asked for up to two, about a tenth of a decode step's host time); a refusal is not."""
+    ``exact_snapshots`` (the backward): whether its snapshots are exact, so that staging them
+    in shared memory can decide its chunk. Plans are remembered per layout, mode, device limits
+    and knob values (an eager forward asked for up to two, about a tenth of a decode step's
+    host time); a refusal is not."""
     limits = limits or _device_limits()
-    key = (lay, quant, limits, backward, settings(), MAX_ENTRIES, KEEP_SMEM, E_STAGE, BE_STAGE)
+    exact = bool(exact_snapshots) if backward else True
+    key = (lay, quant, limits, backward, exact, settings(), MAX_ENTRIES, KEEP_SMEM, E_STAGE,
+           BE_STAGE)
     pl = _PLANS.get(key)
     if pl is None:
-        pl = _plan(lay, quant, limits, backward)
+        pl = _plan(lay, quant, limits, backward, exact_snapshots=exact)
         if len(_PLANS) >= _PLANS_MAX:
             _PLANS.clear()
         _PLANS[key] = pl
     return pl
 
 
-def _plan(lay: Layout, quant, limits, backward) -> Plan:
+def _plan(lay: Layout, quant, limits, backward, cmax=None, exact_snapshots=True) -> Plan:
     nsm, smem_max, _ = limits
     if lay.W > MAX_ENTRIES:
         raise UnsupportedConfigurationError(
@@ -239,8 +248,11 @@ def _plan(lay: Layout, quant, limits, backward) -> Plan:
     vk = K.kernel_value_dtype(lay.bank_dtype, lay.value_dtype)
     N = K.vec_width(lay.bank_dtype)
     C = min(lay.C, 64 if acc.itemsize == 4 else 32, MAX_ENTRIES // lay.W, lay.T)
-    if FWD_CHUNK is not None and not backward:
-        C = max(1, min(C, int(FWD_CHUNK)))
+    bound = BWD_CHUNK if backward else FWD_CHUNK
+    if bound is not None:
+        C = max(1, min(C, int(bound)))
+    if cmax is not None:
+        C = min(C, cmax)
     # the backward runs one wave: one block per multiprocessor at 512 threads, two at 256
     bwd_per_sm = 2 if (BWD_THREADS or THREADS) <= 256 else 1
     TW = lay.hd if quant in ("fp8_e4m3", "int8") else _tile_width(
@@ -275,6 +287,13 @@ def _plan(lay: Layout, quant, limits, backward) -> Plan:
         staged = keep_s + C * lay.W * (-(-TWs // N) * N) * sizes["bank_size"]
         if staged <= smem_max and (STAGE_READS is not None or TWs > TW):
             TW, keep, smem_fwd, rstage, fwd_threads = TWs, True, staged, True, STAGE_THREADS
+        elif staged > smem_max and FWD_CHUNK is None and C // 2 >= STAGE_MIN_CHUNK:
+            # the stage does not fit this chunk: a shorter one whose stage fits beats the
+            # register form (stop 20, H200, W = 32: 3.80 ms at C = 64 unstaged, 2.05 at 32
+            # staged, 2.72 at 16 staged)
+            alt = _plan(lay, quant, limits, backward, cmax=C // 2)
+            if alt.rstage:
+                return alt
     ntile = -(-lay.hd // TW)
     per_chunk = sum(n * np.dtype(dt).itemsize for n, dt in _bwd_scratch_rows(lay.W, C, acc))
     seg = max(1, min(Nt, BWD_SCRATCH // (lay.B * lay.P * per_chunk)))
@@ -283,6 +302,14 @@ def _plan(lay: Layout, quant, limits, backward) -> Plan:
     bwd_snap = _r16(bwd) + C * lay.W * (-(-TW // N) * N) * np.dtype(lay.bank_dtype).itemsize
     if bwd_snap > (smem_max if bwd_per_sm == 1 else min(smem_max, KEEP_SMEM)):
         bwd_snap = 0
+    if (backward and not bwd_snap and exact_snapshots and BWD_CHUNK is None
+            and C // 2 >= STAGE_MIN_CHUNK):
+        # exact snapshots that do not fit beside this chunk: a shorter chunk whose snapshot
+        # stage fits is faster (stop 20, H200: W = 24 bf16 8.16 -> 6.68 ms forward+backward,
+        # C = 64 -> 32; float32 bank at W = 16 6.17 -> 6.13)
+        alt = _plan(lay, quant, limits, backward, cmax=C // 2)
+        if alt.smem_bwd_snap:
+            return alt
     return Plan(C=C, Nt=Nt, TW=TW, ntile=ntile, N=N, smem_pre=pre, smem_fwd=smem_fwd,
                 smem_bwd=bwd, keep=keep, CS=_r16((2 if backward else 1) * C * C), seg=seg,
                 smem_bwd_snap=bwd_snap, rstage=rstage, fwd_threads=fwd_threads)
@@ -447,7 +474,8 @@ def sdm_bwd(lay: Layout, config, bank, inputs, snapshots, dr, dM):
     import cupy
     write_idx, write_w, values, beta, read_idx, read_w = inputs
     mode = config.snapshot_quant
-    pl = plan(lay, config, quant=None, backward=True)   # tiles freely (scales are stored)
+    # tiles freely (scales are stored); stages exact snapshots where they fit
+    pl = plan(lay, config, quant=None, backward=True, exact_snapshots=mode is None)
     acc = K.compute_dtype(lay.bank_dtype, lay.value_dtype)
     vk = K.kernel_value_dtype(lay.bank_dtype, lay.value_dtype)
     v = values if values.dtype == vk else values.astype(vk)

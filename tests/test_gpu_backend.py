@@ -286,6 +286,41 @@ def test_staged_plan_with_a_misaligned_bank_runs_the_general_gather(rng, monkeyp
     assert_close(outs[1][1], fin_ref, tol, "final bank")
 
 
+@pytest.mark.parametrize("dtype, W, C", [(np.float32, 16, 32), (BF16, 48, 16)],
+                         ids=["f32-W16", "bf16-W48"])
+def test_chunks_halved_for_a_stage_that_fits_match_reference(rng, monkeypatch, dtype, W, C):
+    """Where a 64-token chunk's stage does not fit in shared memory, the forward (read rows)
+    and the backward (exact snapshots) run shorter chunks whose stage fits: 32 tokens for a
+    float32 bank at W = 16, 16 for bf16 at W = 48 (a partial chunk last in T = 70). Readings,
+    final bank and every gradient match the float64 reference, the bank rewinds exactly, and
+    the plan kept unhalved (gpu.STAGE_MIN_CHUNK above 64) agrees within the same tolerance."""
+    from sdm_cupy.kernels import gpu
+    pb = make_problem(rng, B=4, T=70, P=8, hd=128, S=300, W=W, dtype=dtype)
+    cfg = _cfg(pb, 64)
+    dr = rng.normal(size=pb.values.shape).astype(dtype)
+    x = pb.to(cp)
+    lay = sdm._validate.layout(x.bank, *x.inputs, cfg)
+    del x
+    tol = 1e-4 if np.dtype(dtype) == np.float32 else 5e-2
+    r_ref, fin_ref = reference_fwd(pb)
+    g_ref = reference_bwd(pb, dr.astype(np.float64))
+    outs = []
+    for floor, halved in ((16, True), (1000, False)):
+        monkeypatch.setattr(gpu, "STAGE_MIN_CHUNK", floor)
+        fwd, bwd = (gpu.plan(lay, cfg, backward=b) for b in (False, True))
+        if halved and gpu._device_limits()[1] >= 227 * 1024:   # an H100/H200's shared memory
+            assert (fwd.C, fwd.rstage, bwd.C) == (C, True, C) and bwd.smem_bwd_snap > 0
+        (r, fin), grads, rewound = _run(pb, cfg, dr, None)
+        assert np.array_equal(rewound.view(np.uint8), pb.bank.view(np.uint8)), "rewound bank"
+        assert_close(r, r_ref, tol, "readings")
+        assert_close(fin, fin_ref, tol, "final bank")
+        for name, got, want in zip(GRADS, grads, g_ref):
+            assert_close(got, want, tol, f"grad {name}")
+        outs.append((r, fin) + grads)
+    for name, a, b_ in zip(("readings", "final bank") + GRADS, *outs):
+        assert_close(a, b_, tol, f"{name}: halved against unhalved")
+
+
 @pytest.mark.parametrize("W", [3, 40, 64, 80], ids=lambda w: f"W{w}")
 def test_one_token_chunks_match_reference(rng, W):
     """C = 1 (decoding): up to W = 64 the forward finds a token's overlaps itself (W > 32 puts

@@ -44,16 +44,49 @@ def test_headline_backward_is_one_wave_with_bounded_scratch():
     assert pl.CS == gpu._r16(2 * 64 * 64)   # the backward's CSR holds four triangles
 
 
-def test_backward_stages_snapshots_only_where_they_fit():
+def test_backward_stages_snapshots_only_where_they_fit(monkeypatch):
     """The headline backward stages its chunk's exact snapshot rows (C*W rows of the 32-wide
-    bf16 tile) beside everything else; a float32 bank's rows would not fit, and with two
+    bf16 tile) beside everything else. A float32 bank's rows do not fit beside a 64-token
+    chunk: the backward halves its chunk to 32, where they do, unless its snapshots are
+    quantized (nothing to stage) or gpu.STAGE_MIN_CHUNK forbids the shorter chunk. With two
     256-thread blocks per multiprocessor the stage must not cost one of them."""
     lay = _layout()
     pl = gpu.plan(lay, _cfg(lay), limits=H200, backward=True)
+    assert pl.C == 64
     assert pl.smem_bwd_snap == gpu._r16(pl.smem_bwd) + 64 * 16 * 32 * 2
     assert pl.smem_bwd_snap <= H200[1]
     f32 = _layout(bank_dtype=np.dtype(np.float32), value_dtype=np.dtype(np.float32))
+    pl32 = gpu.plan(f32, _cfg(f32), limits=H200, backward=True)
+    assert pl32.C == 32 and pl32.Nt == 128
+    assert pl32.smem_bwd_snap == gpu._r16(pl32.smem_bwd) + 32 * 16 * 32 * 4 <= H200[1]
+    quant = gpu.plan(f32, _cfg(f32), limits=H200, backward=True, exact_snapshots=False)
+    assert quant.C == 64 and quant.smem_bwd_snap == 0
+    monkeypatch.setattr(gpu, "STAGE_MIN_CHUNK", 64)
     assert gpu.plan(f32, _cfg(f32), limits=H200, backward=True).smem_bwd_snap == 0
+
+
+def test_chunk_halves_for_a_stage_that_fits(monkeypatch):
+    """Where a chunk's stage does not fit in shared memory, the forward (read rows) and the
+    backward (exact snapshots) halve their chunk until it does, down to gpu.STAGE_MIN_CHUNK:
+    W = 32 stages at C = 32, W = 48 at C = 16; below the minimum, or under a chunk bound
+    (FWD_CHUNK, BWD_CHUNK), nothing halves and the register form runs."""
+    for W, C in ((24, 32), (32, 32), (48, 16), (64, 16)):
+        lay = _layout(W=W)
+        fwd = gpu.plan(lay, _cfg(lay), limits=H200)
+        bwd = gpu.plan(lay, _cfg(lay), limits=H200, backward=True)
+        assert (fwd.C, fwd.rstage, fwd.TW) == (C, True, 32), W
+        assert fwd.smem_fwd <= H200[1] and bwd.smem_bwd_snap <= H200[1]
+        assert bwd.C == C and bwd.smem_bwd_snap > 0, W
+        monkeypatch.setattr(gpu, "STAGE_MIN_CHUNK", 2 * C)
+        fwd2 = gpu.plan(lay, _cfg(lay), limits=H200)
+        assert not fwd2.rstage and fwd2.C > C and fwd2.TW == 16, W
+        monkeypatch.setattr(gpu, "STAGE_MIN_CHUNK", 16)
+    lay = _layout(W=32)
+    monkeypatch.setattr(gpu, "FWD_CHUNK", 64)
+    monkeypatch.setattr(gpu, "BWD_CHUNK", 64)
+    fwd, bwd = (gpu.plan(lay, _cfg(lay), limits=H200, backward=b) for b in (False, True))
+    assert (fwd.C, fwd.rstage) == (64, False)
+    assert bwd.C == 32   # the backward's own shared-memory bound, not the halving
 
 
 def test_backward_snapshot_stage_keeps_two_blocks_per_sm(monkeypatch):
@@ -141,8 +174,11 @@ def test_headline_forward_stages_its_read_rows_in_one_wave():
     _, _, keep, _ = gpu._smem(64, 16, 32, 8, 4, False, idx_size=4, val_size=2, bank_size=2)
     assert pl.smem_fwd == keep + 64 * 16 * 32 * 2 <= H200[1]
     lay32 = _layout(bank_dtype=np.dtype(np.float32), value_dtype=np.dtype(np.float32))
-    for lay_, quant in ((lay32, None), (lay, "int8"), (lay, "fp8_e4m3"), (_layout(C=1), None)):
+    for lay_, quant in ((lay, "int8"), (lay, "fp8_e4m3"), (_layout(C=1), None)):
         assert not gpu.plan(lay_, _cfg(lay_), limits=H200, quant=quant).rstage, (lay_, quant)
+    # a float32 bank's rows fit only beside a 32-token chunk: the forward halves its chunk
+    pl32 = gpu.plan(lay32, _cfg(lay32), limits=H200)
+    assert pl32.rstage and (pl32.C, pl32.TW) == (32, 32) and pl32.smem_fwd <= H200[1]
     for stage, want in ((False, (False, 16)), (True, (True, 32)), (None, (True, 32))):
         old = gpu.STAGE_READS
         try:
@@ -158,7 +194,8 @@ def test_forward_read_stage_only_where_it_widens_the_tile():
     """Automatic staging needs a wider tile than the two-blocks-per-SM plan: with B * P = 512
     (more than an H200's blocks from whole rows already) both plans use whole 64-column rows,
     so the forward keeps its register gather; gpu.STAGE_READS = True stages wherever it fits.
-    Where the stage does not fit (whole 128-column rows of W = 16 entries) nothing stages."""
+    Whole 128-column rows of W = 16 entries fit only beside a 16-token chunk; with
+    gpu.STAGE_MIN_CHUNK above that nothing stages."""
     lay = _layout(B=64, T=512, hd=64, W=4)
     pl = gpu.plan(lay, _cfg(lay), limits=H200)
     assert not pl.rstage and pl.TW == 64
@@ -167,16 +204,22 @@ def test_forward_read_stage_only_where_it_widens_the_tile():
         gpu.STAGE_READS = True
         forced = gpu._plan(lay, None, H200, False)
         big = _layout(B=64, T=512)
+        halved = gpu._plan(big, None, H200, False)
+        gpu.STAGE_MIN_CHUNK = 32
         assert not gpu._plan(big, None, H200, False).rstage
     finally:
         gpu.STAGE_READS = old
+        gpu.STAGE_MIN_CHUNK = 16
+    assert halved.rstage and (halved.C, halved.TW) == (16, 128) and halved.smem_fwd <= H200[1]
     assert forced.rstage and forced.TW == 64 and forced.smem_fwd <= H200[1]
     assert forced.fwd_threads == 512
 
 
 KNOBS = {"STAGE_READS": False, "STAGE_THREADS": 256, "THREADS": 512, "BWD_THREADS": 256, "TILE_WIDTH": 32, "BWD_TILE_WIDTH": 64,
-         "BWD_SCRATCH": 10 ** 7, "FWD_CHUNK": 16, "KEEP_ROWS": False, "KEEP_SMEM": 64 * 1024,
-         "MAX_ENTRIES": 512, "E_STAGE": 256, "BE_STAGE": 512}
+         "BWD_SCRATCH": 10 ** 7, "FWD_CHUNK": 16, "BWD_CHUNK": 16, "STAGE_MIN_CHUNK": 64,
+         "KEEP_ROWS": False, "KEEP_SMEM": 64 * 1024, "MAX_ENTRIES": 512, "E_STAGE": 256,
+         "BE_STAGE": 512}
+KNOB_LAYOUT = {"STAGE_MIN_CHUNK": dict(W=32)}   # a layout whose plan the knob changes
 
 
 @pytest.mark.parametrize("knob", list(KNOBS))
@@ -186,7 +229,7 @@ def test_remembered_plans_follow_every_knob(monkeypatch, knob):
     the old value."""
     if knob == "THREADS":   # the backward's block size, when BWD_THREADS leaves it to THREADS
         monkeypatch.setattr(gpu, "BWD_THREADS", None)
-    lay = _layout(T=1000)
+    lay = _layout(T=1000, **KNOB_LAYOUT.get(knob, {}))
     before = [gpu.plan(lay, _cfg(lay), limits=H200, backward=b) for b in (False, True)]
     assert [gpu.plan(lay, _cfg(lay), limits=H200, backward=b) for b in (False, True)] == before
     old = getattr(gpu, knob)
