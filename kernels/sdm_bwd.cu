@@ -36,6 +36,15 @@ __device__ __forceinline__ int bws_max(int) { return SDM_BWD_WS_MAX; }
 #else
 __device__ __forceinline__ int bws_max(int W) { return W > 16 ? 4 : 2; }
 #endif
+// Entries whose global rows a thread loads before it uses any, in round 1 with staged
+// snapshots and in round 2 (-DSDM_BWD_GB=n, benchmarks; 1: entry by entry, as before stop 20).
+// Stop 20, H200, forward+backward against entry by entry (bitwise equal): 2 saves 0.5% at the
+// headline, 2.6% at W = 32, 1.2% with a float32 bank, 0-0.3% at W = 4, 8 and S = 4096; 4 spills
+// (32/84 bytes) and costs up to 2.3%.
+#ifndef SDM_BWD_GB
+#define SDM_BWD_GB 2
+#endif
+constexpr int BG = SDM_BWD_GB;
 constexpr int BE_STAGE = 1024; // CSR entries of a chunk staged in shared memory (more: from L2)
 constexpr int B_RUN_HEAD = 1 << 30, B_RUN_BAD = 1 << 29, B_QMASK = (1 << 14) - 1;
 
@@ -92,6 +101,20 @@ __device__ __forceinline__ void load_grad(A (&out)[N], const T* __restrict__ p, 
 #pragma unroll
   for (int i = 0; i < N; ++i) out[i] = i < nv ? to_acc(__ldcg(p + i), A()) : A(0);
 }
+
+// The raw 16-byte words of a whole, aligned row piece of N elements of E (sizeof(E) * N a
+// multiple of 16), loaded through L2 (.cg) with the prefetch-size hint: a round issues the
+// loads of BG entries into these before it converts or uses any (stop 20: the compiler kept
+// at most two loads in flight per thread in per-entry loops)
+template <int N, typename E>
+struct RawPiece {
+  static constexpr int NQ = (int)sizeof(E) * N / 16;
+  union { int4 q[NQ]; E v[N]; } u;
+  __device__ __forceinline__ void load(const E* p) {
+#pragma unroll
+    for (int j = 0; j < NQ; ++j) u.q[j] = ld_row16<true>(reinterpret_cast<const int4*>(p) + j);
+  }
+};
 
 // dM[row piece] += g: atomics for float/double grads (one per element; float4 on sm_90), a
 // plain read-modify-write for 16-bit grads (the block is the address's only writer)
@@ -184,6 +207,8 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
   const bool vb = vecmask & 1, v16 = vecmask & 2, d16 = vecmask & 4, vs = vecmask & 8,
              vg = vecmask & 16, vd = vecmask & 64;
   constexpr int NV = 16 / sizeof(V);
+  // whole grad and bank pieces are whole 16-byte words: the rounds may group their loads
+  constexpr bool GROUPED = BG > 1 && (sizeof(Gt) * N) % 16 == 0;
 
   extern __shared__ __align__(16) unsigned char smem[];
   BwdStage<V, A, I> st;
@@ -378,7 +403,57 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
           d[i] = A(0);
           r[i] = act ? to_acc(g.drv[t * TVP + cc + i], A()) : A(0);
         }
-        if (act) {
+        if constexpr (GROUPED) {
+          // whole groups of BG entries: their dM and bank row loads all go out before any is
+          // used (straight-line code, no branch between them); the rest entry by entry
+          if (act) {
+            int w0 = ws;
+            for (; w0 + (BG - 1) * WS < W; w0 += BG * WS) {
+              RawPiece<N, Gt> gq[BG];
+              RawPiece<N, T> bq[BG];
+              bool okw[BG], okr[BG], lkk[BG];
+#pragma unroll
+              for (int k = 0; k < BG; ++k) {
+                const int e = t * W + w0 + k * WS;
+                const I id = g.wid[e], jd = g.rid[e];
+                okw[k] = valid_id(id, S);
+                okr[k] = valid_id(jd, S);
+                lkk[k] = g.rl[e] != 0;
+                gq[k].load(dM_b + (long long)(okw[k] ? id : 0) * D + cc);
+                bq[k].load(bank_b + (long long)(okr[k] && !lkk[k] ? jd : 0) * D + cc);
+              }
+#pragma unroll
+              for (int k = 0; k < BG; ++k) {
+                const int e = t * W + w0 + k * WS;
+                const A a = g.aw[e];
+                A sr = A(0);
+#pragma unroll
+                for (int i = 0; i < N; ++i) {
+                  d[i] = okw[k] ? d[i] + a * to_acc(gq[k].u.v[i], A()) : d[i];
+                  sr += r[i] * to_acc(bq[k].u.v[i], A());
+                }
+                if (!lkk[k]) pc_s[e * NPT + pc] = okr[k] ? sr : A(0);
+              }
+            }
+            for (int w = w0; w < W; w += WS) {
+              const int e = t * W + w;
+              const I id = g.wid[e], jd = g.rid[e];
+              const bool ok = valid_id(id, S), okr = valid_id(jd, S);
+              const int lk = g.rl[e];
+              A gg[N], mr[N];
+              load_grad<N>(gg, dM_b + (long long)(ok ? id : 0) * D + cc, N, true);
+              load_grad<N>(mr, bank_b + (long long)(okr && !lk ? jd : 0) * D + cc, N, true);
+              const A a = g.aw[e];
+              A sr = A(0);
+#pragma unroll
+              for (int i = 0; i < N; ++i) {
+                d[i] = ok ? d[i] + a * gg[i] : d[i];
+                sr += r[i] * mr[i];
+              }
+              if (!lk) pc_s[e * NPT + pc] = okr ? sr : A(0);
+            }
+          }
+        } else if (act) {
 #pragma unroll 2
           for (int w = ws; w < W; w += WS) {
             const int e = t * W + w;
@@ -532,8 +607,43 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
                          F || vd);
           pb_s[t * NPT + pc] = sb;
         }
+        int w_rest = ws;   // the entries left to the loop below
+        if constexpr (F && GROUPED) {
+          if (sst) {   // snapshots from SN_s; whole groups' dM loads go out first, as in round 1
+            int w0 = ws;
+            for (; w0 + (BG - 1) * WS < W; w0 += BG * WS) {
+              RawPiece<N, Gt> gq[BG];
+              I idk[BG];
+              bool okk[BG];
+#pragma unroll
+              for (int k = 0; k < BG; ++k) {
+                idk[k] = g.wid[t * W + w0 + k * WS];
+                okk[k] = valid_id(idk[k], S);
+                gq[k].load(dM_b + (long long)(okk[k] ? idk[k] : 0) * D + cc);
+              }
+#pragma unroll
+              for (int k = 0; k < BG; ++k) {
+                const int e = t * W + w0 + k * WS;
+                A m[N], gg[N];
+                T raw[N];
+                load_raw<N>(raw, SN_s + (long long)e * TWP + cc, N, true);
+#pragma unroll
+                for (int i = 0; i < N; ++i) {
+                  m[i] = to_acc(raw[i], A());
+                  gg[i] = to_acc(gq[k].u.v[i], A());
+                }
+                if (okk[k]) store_raw<N>(bank_b + (long long)idk[k] * D + cc, raw, N, true);
+                A sa = A(0);
+#pragma unroll
+                for (int i = 0; i < N; ++i) sa += zu[i] * gg[i] + dx[i] * m[i];
+                pa_s[e * NPT + pc] = okk[k] ? sa : A(0);
+              }
+            }
+            w_rest = w0;
+          }
+        }
 #pragma unroll 2
-        for (int w = ws; w < W; w += WS) {
+        for (int w = w_rest; w < W; w += WS) {
           const int e = t * W + w;
           const I id = g.wid[e];
           const bool ok = valid_id(id, S);

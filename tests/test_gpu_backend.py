@@ -245,6 +245,32 @@ def test_compile_time_variants_leave_results_bitwise_equal(rng, monkeypatch, mac
     assert np.array_equal(outs[0][4].view(np.uint8), pb.bank.view(np.uint8))
 
 
+@pytest.mark.parametrize("W", [3, 7, 12], ids=lambda w: f"W{w}")
+@pytest.mark.parametrize("dtype", [BF16, np.float32], ids=["bf16", "f32"])
+def test_backward_grouped_row_loads_are_bitwise_entry_by_entry(rng, monkeypatch, dtype, W):
+    """The backward's rounds load the rows of SDM_BWD_GB entries (2) before using any, whole
+    groups first and the rest entry by entry (W = 3 and 7 leave a rest per thread: two
+    threads share a token's entries). Against -DSDM_BWD_GB=1 (every entry on its own): the
+    forward, the bank and values gradients and the rewound bank are bitwise equal, with
+    repeated slots and the chunk's snapshots staged."""
+    from sdm_cupy.kernels import _build as K
+    pb = make_problem(rng, B=2, T=90, P=2, hd=32, S=40, W=W, dtype=dtype)
+    dr = rng.normal(size=pb.values.shape).astype(dtype)
+    outs = []
+    for extra in ("", "-DSDM_BWD_GB=1"):
+        monkeypatch.setenv("SDM_CUPY_NVRTC_OPTIONS", extra)
+        monkeypatch.setattr(K, "_modules", {})
+        (r, fin), grads, rewound = _run(pb, _cfg(pb, 64), dr, None)
+        outs.append((r, fin, grads[0], grads[2], rewound))
+    for name, a, b_ in zip(("readings", "final bank", "grad bank", "grad values",
+                            "rewound bank"), *outs):
+        assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b_).view(np.uint8)), name
+    assert np.array_equal(outs[0][4].view(np.uint8), pb.bank.view(np.uint8))
+    tol = 1e-4 if np.dtype(dtype) == np.float32 else 5e-2
+    for name, got, want in zip(GRADS, grads, reference_bwd(pb, dr.astype(np.float64))):
+        assert_close(got, want, tol, f"grad {name}")
+
+
 @pytest.mark.parametrize("dtype", [BF16, np.float32], ids=["bf16", "f32"])
 def test_staged_plan_with_a_misaligned_bank_runs_the_general_gather(rng, monkeypatch, dtype):
     """The staged forward instance (RS = 1) holds only the fast path: whole 16-byte pieces of
