@@ -64,8 +64,8 @@ FWD_CHUNK = None            # upper bound of the forward's internal chunk (None:
 BWD_CHUNK = None            # the same for the backward (benchmarks)
 STAGE_READS = None          # forward: wider column tiles, one block per SM of STAGE_THREADS,
                             # the read rows staged in shared memory beside the kept write rows
-                            # (None: where that widens the tile and fits; true: where it fits;
-                            # false or 0: never)
+                            # (None: where it fits and widens the tile or runs one wave; true:
+                            # where it fits; false or 0: never)
 STAGE_THREADS = 512         # threads per forward block when its read rows are staged (<= 512)
 STAGE_MIN_CHUNK = 16        # the forward halves its chunk, down to this, for a stage that fits
 E_STAGE = 512               # CSR entries staged per chunk (kernels/sdm_fwd.cu)
@@ -285,7 +285,10 @@ def _plan(lay: Layout, quant, limits, backward, cmax=None, exact_snapshots=True)
         TWs = _tile_width(lay, N, nsm, per_sm=1, one_wave=True)
         _, _, keep_s, _ = _smem(C, lay.W, TWs, N, acc.itemsize, False, **sizes)
         staged = keep_s + C * lay.W * (-(-TWs // N) * N) * sizes["bank_size"]
-        if staged <= smem_max and (STAGE_READS is not None or TWs > TW):
+        # automatic: where the stage widens the tiles, or keeps them and its blocks run in one
+        # wave (stop 20, hd = 64 at 16 columns either way: forward -5 to -11%)
+        auto = TWs > TW or lay.B * lay.P * -(-lay.hd // TWs) <= nsm
+        if staged <= smem_max and (STAGE_READS is not None or auto):
             TW, keep, smem_fwd, rstage, fwd_threads = TWs, True, staged, True, STAGE_THREADS
         elif staged > smem_max and FWD_CHUNK is None and C // 2 >= STAGE_MIN_CHUNK:
             # the stage does not fit this chunk: a shorter one whose stage fits beats the

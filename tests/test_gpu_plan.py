@@ -190,12 +190,18 @@ def test_headline_forward_stages_its_read_rows_in_one_wave():
     assert not gpu.plan(lay, _cfg(lay), limits=H200, backward=True).rstage
 
 
-def test_forward_read_stage_only_where_it_widens_the_tile():
-    """Automatic staging needs a wider tile than the two-blocks-per-SM plan: with B * P = 512
-    (more than an H200's blocks from whole rows already) both plans use whole 64-column rows,
-    so the forward keeps its register gather; gpu.STAGE_READS = True stages wherever it fits.
+def test_forward_read_stage_only_where_it_widens_the_tile_or_runs_one_wave():
+    """Automatic staging needs a wider tile than the two-blocks-per-SM plan, or the same tile
+    in one wave of blocks: at the headline with hd = 64 both plans cut 16-column tiles (128
+    blocks) and the forward stages; with B * P = 512 (more than an H200's blocks from whole
+    rows already) both plans use whole 64-column rows in several waves, so the forward keeps
+    its register gather; gpu.STAGE_READS = True stages wherever it fits.
     Whole 128-column rows of W = 16 entries fit only beside a 16-token chunk; with
     gpu.STAGE_MIN_CHUNK above that nothing stages."""
+    narrow = _layout(hd=64)
+    pl = gpu.plan(narrow, _cfg(narrow), limits=H200)
+    assert pl.rstage and (pl.C, pl.TW, pl.ntile) == (64, 16, 4) and pl.fwd_threads == 512
+    assert gpu._tile_width(narrow, pl.N, H200[0]) == 16   # the register form's tile
     lay = _layout(B=64, T=512, hd=64, W=4)
     pl = gpu.plan(lay, _cfg(lay), limits=H200)
     assert not pl.rstage and pl.TW == 64
