@@ -26,8 +26,8 @@ Process-wide settings the kernels read (a graph runner keys on ``settings()``):
 ``BWD_TILE_WIDTH`` (None: automatic) the backward's tile width, ``BWD_SCRATCH`` the backward's
 pre-pass scratch per range of chunks, ``STAGE_READS`` (None: automatic) whether the forward
 stages its read rows in shared memory (wider tiles, one block of ``STAGE_THREADS`` per
-multiprocessor), ``STAGE_MIN_CHUNK`` the shortest chunk the forward halves its chunk to for a
-stage that fits, ``FWD_CHUNK`` and ``BWD_CHUNK`` (None: no bound) upper bounds of the forward's
+multiprocessor), ``STAGE_MIN_CHUNK`` the shortest chunk the forward and the backward halve their
+chunk to for a stage that fits, ``FWD_CHUNK`` and ``BWD_CHUNK`` (None: no bound) upper bounds of the forward's
 and the backward's internal chunk (benchmarks).
 """
 
@@ -67,7 +67,8 @@ STAGE_READS = None          # forward: wider column tiles, one block per SM of S
                             # (None: where it fits and widens the tile or runs one wave; true:
                             # where it fits; false or 0: never)
 STAGE_THREADS = 512         # threads per forward block when its read rows are staged (<= 512)
-STAGE_MIN_CHUNK = 16        # the forward halves its chunk, down to this, for a stage that fits
+STAGE_MIN_CHUNK = 16        # the forward (read rows) and the backward (exact snapshots) halve
+                            # their chunk, down to this, for a stage that fits
 E_STAGE = 512               # CSR entries staged per chunk (kernels/sdm_fwd.cu)
 BE_STAGE = 1024             # the same for the backward (kernels/sdm_bwd.cu)
 FUSE_MAX_W = 64             # one-token chunks with W <= this skip the pre-pass launch
