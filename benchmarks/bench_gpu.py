@@ -369,8 +369,9 @@ def main():
             run(f"headline tile={tile}", tile=tile)
         for S in (4096, 65536, 262144, 1 << 20):
             run(f"S={S}", S=S)
-        for W in (4, 32):
+        for W in (4, 24, 32, 48):   # 24 and up: stages that fit only shorter chunks
             run(f"W={W}", W=W)
+        run("hd=64", hd=64)   # the read-row stage at the register form's tile width
         for T in (1024, 16384):
             run(f"T={T}", T=T)
     fla = bench_fla(4, 4096, 8, 128) if args.only is None else {}
