@@ -65,7 +65,8 @@ BWD_CHUNK = None            # the same for the backward (benchmarks)
 STAGE_READS = None          # forward: wider column tiles, one block per SM of STAGE_THREADS,
                             # the read rows staged in shared memory beside the kept write rows
                             # (None: where it fits and widens the tile or runs one wave; true:
-                            # where it fits; false or 0: never)
+                            # where it fits; false or 0: never; "fits" after halving the chunk
+                            # down to STAGE_MIN_CHUNK where needed)
 STAGE_THREADS = 512         # threads per forward block when its read rows are staged (<= 512)
 STAGE_MIN_CHUNK = 16        # the forward (read rows) and the backward (exact snapshots) halve
                             # their chunk, down to this, for a stage that fits
