@@ -212,6 +212,24 @@ def test_forward_read_row_stage_is_bitwise_the_register_gather(rng, monkeypatch,
     assert_close(outs[1][1], fin_ref, tol, "final bank")
 
 
+def _bitwise_under_options(monkeypatch, pb, dr, options):
+    """Forward (readings, final bank), the exact-owner gradients (bank, values) and the rewound
+    bank of ``pb`` compiled with no extra NVRTC options and with ``options``: asserts they are
+    bitwise equal and that the bank rewinds exactly; returns the second run's gradients."""
+    from sdm_cupy.kernels import _build as K
+    outs = []
+    for extra in ("", options):
+        monkeypatch.setenv("SDM_CUPY_NVRTC_OPTIONS", extra)
+        monkeypatch.setattr(K, "_modules", {})   # compile again, with these options
+        (r, fin), grads, rewound = _run(pb, _cfg(pb, 64), dr, None)
+        outs.append((r, fin, grads[0], grads[2], rewound))
+    for name, a, b_ in zip(("readings", "final bank", "grad bank", "grad values",
+                            "rewound bank"), *outs):
+        assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b_).view(np.uint8)), name
+    assert np.array_equal(outs[0][4].view(np.uint8), pb.bank.view(np.uint8))
+    return grads
+
+
 @pytest.mark.parametrize("macros", ["-DSDM_FWD_GENERAL_GATHER", "-DSDM_FWD_REG_GATHER",
                                     "-DSDM_PREPASS_PLAIN_SORT", "-DSDM_PREPASS_KEY64",
                                     "-DSDM_PREPASS_SORT_WRITES",
@@ -230,19 +248,9 @@ def test_compile_time_variants_leave_results_bitwise_equal(rng, monkeypatch, mac
     instead of staged; the row gathers' L2 prefetch size) change no bit of the
     forward (with snapshots), of the backward's exact-owner gradients (bank, values)
     or of the rewound bank."""
-    from sdm_cupy.kernels import _build as K
     pb = make_problem(rng, B=2, T=150, P=2, hd=32, S=300, W=12, dtype=dtype)
     dr = rng.normal(size=pb.values.shape).astype(dtype)
-    outs = []
-    for extra in ("", macros):
-        monkeypatch.setenv("SDM_CUPY_NVRTC_OPTIONS", extra)
-        monkeypatch.setattr(K, "_modules", {})   # compile again, with these options
-        (r, fin), grads, rewound = _run(pb, _cfg(pb, 64), dr, None)
-        outs.append((r, fin, grads[0], grads[2], rewound))
-    for name, a, b_ in zip(("readings", "final bank", "grad bank", "grad values",
-                            "rewound bank"), *outs):
-        assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b_).view(np.uint8)), name
-    assert np.array_equal(outs[0][4].view(np.uint8), pb.bank.view(np.uint8))
+    _bitwise_under_options(monkeypatch, pb, dr, macros)
 
 
 @pytest.mark.parametrize("W", [3, 7, 12], ids=lambda w: f"W{w}")
@@ -253,19 +261,9 @@ def test_backward_grouped_row_loads_are_bitwise_entry_by_entry(rng, monkeypatch,
     threads share a token's entries). Against -DSDM_BWD_GB=1 (every entry on its own): the
     forward, the bank and values gradients and the rewound bank are bitwise equal, with
     repeated slots and the chunk's snapshots staged."""
-    from sdm_cupy.kernels import _build as K
     pb = make_problem(rng, B=2, T=90, P=2, hd=32, S=40, W=W, dtype=dtype)
     dr = rng.normal(size=pb.values.shape).astype(dtype)
-    outs = []
-    for extra in ("", "-DSDM_BWD_GB=1"):
-        monkeypatch.setenv("SDM_CUPY_NVRTC_OPTIONS", extra)
-        monkeypatch.setattr(K, "_modules", {})
-        (r, fin), grads, rewound = _run(pb, _cfg(pb, 64), dr, None)
-        outs.append((r, fin, grads[0], grads[2], rewound))
-    for name, a, b_ in zip(("readings", "final bank", "grad bank", "grad values",
-                            "rewound bank"), *outs):
-        assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b_).view(np.uint8)), name
-    assert np.array_equal(outs[0][4].view(np.uint8), pb.bank.view(np.uint8))
+    grads = _bitwise_under_options(monkeypatch, pb, dr, "-DSDM_BWD_GB=1")
     tol = 1e-4 if np.dtype(dtype) == np.float32 else 5e-2
     for name, got, want in zip(GRADS, grads, reference_bwd(pb, dr.astype(np.float64))):
         assert_close(got, want, tol, f"grad {name}")
