@@ -34,14 +34,15 @@ def _per_chunk(lay, pl):
 def test_headline_backward_is_one_wave_with_bounded_scratch():
     lay = _layout()
     pl = gpu.plan(lay, _cfg(lay), limits=H200, backward=True)
-    assert (pl.C, pl.TW, pl.ntile) == (64, 32, 4)
+    assert (pl.C, pl.TW, pl.ntile) == (32, 32, 4)   # halved for its dM stage
+    assert pl.smem_bwd_dm > 0
     assert lay.B * lay.P * pl.ntile <= H200[0]            # one block per multiprocessor
     assert pl.smem_bwd <= H200[1]
     assert 1 <= pl.seg <= pl.Nt
     assert lay.B * lay.P * pl.seg * _per_chunk(lay, pl) <= gpu.BWD_SCRATCH
     fwd = gpu.plan(lay, _cfg(lay), limits=H200)
     assert (fwd.TW, fwd.ntile) == (32, 4) and fwd.CS == gpu._r16(64 * 64)   # read rows staged
-    assert pl.CS == gpu._r16(2 * 64 * 64)   # the backward's CSR holds four triangles
+    assert pl.CS == gpu._r16(2 * 32 * 32)   # the backward's CSR holds four triangles
 
 
 def test_backward_stages_snapshots_only_where_they_fit(monkeypatch):
@@ -49,7 +50,9 @@ def test_backward_stages_snapshots_only_where_they_fit(monkeypatch):
     bf16 tile) beside everything else. A float32 bank's rows do not fit beside a 64-token
     chunk: the backward halves its chunk to 32, where they do, unless its snapshots are
     quantized (nothing to stage) or gpu.STAGE_MIN_CHUNK forbids the shorter chunk. With two
-    256-thread blocks per multiprocessor the stage must not cost one of them."""
+    256-thread blocks per multiprocessor the stage must not cost one of them. (Without the dM
+    stage, which has its own test.)"""
+    monkeypatch.setattr(gpu, "BWD_DM_STAGE", False)
     lay = _layout()
     pl = gpu.plan(lay, _cfg(lay), limits=H200, backward=True)
     assert pl.C == 64
@@ -69,7 +72,9 @@ def test_chunk_halves_for_a_stage_that_fits(monkeypatch):
     """Where a chunk's stage does not fit in shared memory, the forward (read rows) and the
     backward (exact snapshots) halve their chunk until it does, down to gpu.STAGE_MIN_CHUNK:
     W = 32 stages at C = 32, W = 48 at C = 16; below the minimum, or under a chunk bound
-    (FWD_CHUNK, BWD_CHUNK), nothing halves and the register form runs."""
+    (FWD_CHUNK, BWD_CHUNK), nothing halves and the register form runs. (The backward without
+    its dM stage, which has its own test.)"""
+    monkeypatch.setattr(gpu, "BWD_DM_STAGE", False)
     for W, C in ((24, 32), (32, 32), (48, 16), (64, 16)):
         lay = _layout(W=W)
         fwd = gpu.plan(lay, _cfg(lay), limits=H200)
@@ -89,14 +94,54 @@ def test_chunk_halves_for_a_stage_that_fits(monkeypatch):
     assert bwd.C == 32   # the backward's own shared-memory bound, not the halving
 
 
+def _dm_stage_bytes(lay, pl):
+    rows = pl.C * lay.W * (-(-pl.TW // pl.N) * pl.N)
+    return (gpu._r16(pl.smem_bwd) + gpu._r16(rows * lay.bank_dtype.itemsize)
+            + gpu._r16(rows * lay.grad_bank_dtype.itemsize) + rows * lay.bank_dtype.itemsize)
+
+
+def test_backward_dm_stage_halves_its_chunk_where_it_must(monkeypatch):
+    """With exact snapshots the backward also stages the dM rows of its writes and the bank
+    rows of its reads (gpu.BWD_DM_STAGE), halving its chunk for them down to
+    gpu.STAGE_MIN_CHUNK: the headline at C = 32, W = 4 keeps 64, W = 32 goes to 16. Not with
+    quantized snapshots, not under BWD_CHUNK, not below the minimum, not with the knob off."""
+    cases = ((dict(), 32), (dict(W=4), 64), (dict(W=32), 16),
+             (dict(grad_bank_dtype=K.BFLOAT16), 32),
+             (dict(bank_dtype=np.dtype(np.float32), value_dtype=np.dtype(np.float32)), 16))
+    for kw, C in cases:
+        lay = _layout(**kw)
+        pl = gpu.plan(lay, _cfg(lay), limits=H200, backward=True)
+        assert pl.C == C and pl.smem_bwd_snap > 0, kw
+        assert pl.smem_bwd_dm == _dm_stage_bytes(lay, pl) <= H200[1], kw
+        # the longer chunk it gave up would not have held the stage
+        if C < 64:
+            monkeypatch.setattr(gpu, "BWD_CHUNK", 2 * C)
+            longer = gpu.plan(lay, _cfg(lay), limits=H200, backward=True)
+            assert longer.C == 2 * C and longer.smem_bwd_dm == 0, kw
+            assert _dm_stage_bytes(lay, longer) > H200[1], kw
+            monkeypatch.setattr(gpu, "BWD_CHUNK", None)
+    lay = _layout()
+    quant = gpu.plan(lay, _cfg(lay), limits=H200, backward=True, exact_snapshots=False)
+    assert quant.C == 64 and quant.smem_bwd_dm == 0
+    monkeypatch.setattr(gpu, "STAGE_MIN_CHUNK", 64)
+    low = gpu.plan(lay, _cfg(lay), limits=H200, backward=True)
+    assert (low.C, low.smem_bwd_dm) == (64, 0) and low.smem_bwd_snap > 0
+    monkeypatch.setattr(gpu, "STAGE_MIN_CHUNK", 16)
+    monkeypatch.setattr(gpu, "BWD_DM_STAGE", False)
+    off = gpu.plan(lay, _cfg(lay), limits=H200, backward=True)
+    assert (off.C, off.smem_bwd_dm) == (64, 0) and off.smem_bwd_snap > 0
+
+
 def test_backward_snapshot_stage_keeps_two_blocks_per_sm(monkeypatch):
     monkeypatch.setattr(gpu, "BWD_THREADS", 256)
     lay = _layout()
     pl = gpu.plan(lay, _cfg(lay), limits=H200, backward=True)
     assert pl.smem_bwd_snap == 0 or pl.smem_bwd_snap <= gpu.KEEP_SMEM
+    assert pl.smem_bwd_dm == 0 or pl.smem_bwd_dm <= gpu.KEEP_SMEM
     small = _layout(W=4)
     pls = gpu.plan(small, _cfg(small), limits=H200, backward=True)
     assert 0 < pls.smem_bwd_snap <= gpu.KEEP_SMEM
+    assert 0 < pls.smem_bwd_dm <= gpu.KEEP_SMEM
 
 
 @pytest.mark.parametrize("scratch", [1, 10 ** 7, 10 ** 12])
@@ -140,7 +185,7 @@ def test_forward_chunk_bound_applies_to_the_forward_only(monkeypatch, bound):
     bwd = gpu.plan(lay, _cfg(lay), limits=H200, backward=True)
     assert fwd.C == (64 if bound is None else bound)
     assert fwd.Nt == -(-lay.T // fwd.C)
-    assert bwd.C == 64
+    assert bwd.C == 32 and bwd.smem_bwd_dm > 0   # its own choice: halved for the dM stage
     assert gpu.settings()[-1] == bound   # FWD_CHUNK stays the last knob
 
 
@@ -224,7 +269,7 @@ def test_forward_read_stage_only_where_it_widens_the_tile_or_runs_one_wave():
 KNOBS = {"STAGE_READS": False, "STAGE_THREADS": 256, "THREADS": 512, "BWD_THREADS": 256, "TILE_WIDTH": 32, "BWD_TILE_WIDTH": 64,
          "BWD_SCRATCH": 10 ** 7, "FWD_CHUNK": 16, "BWD_CHUNK": 16, "STAGE_MIN_CHUNK": 64,
          "KEEP_ROWS": False, "KEEP_SMEM": 64 * 1024, "MAX_ENTRIES": 512, "E_STAGE": 256,
-         "BE_STAGE": 512}
+         "BE_STAGE": 512, "BWD_DM_STAGE": False}
 KNOB_LAYOUT = {"STAGE_MIN_CHUNK": dict(W=32)}   # a layout whose plan the knob changes
 
 
