@@ -1,7 +1,7 @@
 #!/bin/bash
 # The backward's dM stage (gpu.BWD_DM_STAGE) against the snapshot stage alone, forward+backward
 # over shapes, interleaved graph replays; on the device: bash benchmarks/dm_stage_ab.sh
-# (stop 21's runs, RESULTS "GPU, 2026-12-04 (stop 21)", used the branch's knob DM_MIN_CHUNK)
+# (stop 21: it fits at W = 4 and is off elsewhere at the forward's chunk; BWD_CHUNK=32 shows it at the headline)
 set -u
 cd "$(dirname "$0")/.."
 T0=$(date +%s)

@@ -64,8 +64,8 @@ FWD_CHUNK = None            # upper bound of the forward's internal chunk (None:
                             # double; benchmarks)
 BWD_CHUNK = None            # the same for the backward (benchmarks)
 BWD_DM_STAGE = True         # the backward also stages the dM rows of its writes and the bank
-                            # rows of its reads beside its exact snapshots (halving its chunk
-                            # for them, down to STAGE_MIN_CHUNK); False: snapshots alone
+                            # rows of its reads beside its exact snapshots where they fit at
+                            # its chunk; False: snapshots alone
 STAGE_READS = None          # forward: wider column tiles, one block per SM of STAGE_THREADS,
                             # the read rows staged in shared memory beside the kept write rows
                             # (None: where it fits and widens the tile or runs one wave; true:
@@ -226,26 +226,46 @@ _PLANS_MAX = 256
 
 
 def plan(lay: Layout, config, *, quant=None, limits=None, backward=False,
-         exact_snapshots=True) -> Plan:
+         exact_snapshots=True, saves=False, chunk=None) -> Plan:
     """Chunk and tile sizes of a call; raises UnsupportedConfigurationError when nothing fits.
     ``exact_snapshots`` (the backward): whether its snapshots are exact, so that staging them
-    in shared memory can decide its chunk. Plans are remembered per layout, mode, device limits
-    and knob values (an eager forward asked for up to two, about a tenth of a decode step's
-    host time); a refusal is not."""
+    in shared memory can decide its chunk. ``saves`` (the forward): it saves snapshots, so its
+    chunk is one the backward can run too (snapshots hold the rows at the start of the
+    forward's chunks: the backward must walk the same chunks). ``chunk`` (the backward): run
+    exactly this chunk, the saving forward's (``backward_plan``). Plans are remembered per
+    layout, mode, device limits and knob values (an eager forward asked for up to two, about
+    a tenth of a decode step's host time); a refusal is not."""
     limits = limits or _device_limits()
     exact = bool(exact_snapshots) if backward else True
-    key = (lay, quant, limits, backward, exact, settings(), MAX_ENTRIES, KEEP_SMEM, E_STAGE,
-           BE_STAGE)
+    saves = bool(saves) and not backward
+    chunk = int(chunk) if backward and chunk is not None else None
+    key = (lay, quant, limits, backward, exact, saves, chunk, settings(), MAX_ENTRIES,
+           KEEP_SMEM, E_STAGE, BE_STAGE)
     pl = _PLANS.get(key)
     if pl is None:
-        pl = _plan(lay, quant, limits, backward, exact_snapshots=exact)
+        if saves:   # at most the chunk the backward would take by itself
+            cmax = plan(lay, config, limits=limits, backward=True,
+                        exact_snapshots=quant is None).C
+            pl = _plan(lay, quant, limits, False, cmax=cmax)
+        else:
+            pl = _plan(lay, quant, limits, backward, exact_snapshots=exact, chunk=chunk)
         if len(_PLANS) >= _PLANS_MAX:
             _PLANS.clear()
         _PLANS[key] = pl
     return pl
 
 
-def _plan(lay: Layout, quant, limits, backward, cmax=None, exact_snapshots=True) -> Plan:
+def backward_plan(lay: Layout, config, *, limits=None) -> Plan:
+    """The backward's plan: the chunk of the forward that saved its snapshots (same layout,
+    config and knobs), the backward's own tiles and stages."""
+    mode = config.snapshot_quant
+    C = plan(lay, config, quant=mode, limits=limits, saves=True).C
+    return plan(lay, config, limits=limits, backward=True, exact_snapshots=mode is None,
+                chunk=C)
+
+
+def _plan(lay: Layout, quant, limits, backward, cmax=None, exact_snapshots=True,
+          chunk=None) -> Plan:
     nsm, smem_max, _ = limits
     if lay.W > MAX_ENTRIES:
         raise UnsupportedConfigurationError(
@@ -260,6 +280,8 @@ def _plan(lay: Layout, quant, limits, backward, cmax=None, exact_snapshots=True)
         C = max(1, min(C, int(bound)))
     if cmax is not None:
         C = min(C, cmax)
+    if chunk is not None:   # the saving forward's chunk, which fits the backward by construction
+        C = chunk
     # the backward runs one wave: one block per multiprocessor at 512 threads, two at 256
     bwd_per_sm = 2 if (BWD_THREADS or THREADS) <= 256 else 1
     TW = lay.hd if quant in ("fp8_e4m3", "int8") else _tile_width(
@@ -273,6 +295,9 @@ def _plan(lay: Layout, quant, limits, backward, cmax=None, exact_snapshots=True)
         if need <= smem_max or C == 1:
             break
         C = max(1, C // 2)
+    if chunk is not None and C != chunk:
+        raise RuntimeError(f"sdm_cupy internal error: the backward cannot run the forward's "
+                           f"chunk {chunk} ({lay})")
     if need > smem_max:
         raise UnsupportedConfigurationError(
             f"head width hd={lay.hd} with snapshot_quant={quant!r} needs {need} "
@@ -310,7 +335,8 @@ def _plan(lay: Layout, quant, limits, backward, cmax=None, exact_snapshots=True)
     # kernels/sdm_bwd.cu's snapshot stage: C*W rows of the tile after the other regions; only
     # where it costs no block per multiprocessor
     bwd_snap = _r16(bwd) + C * lay.W * (-(-TW // N) * N) * np.dtype(lay.bank_dtype).itemsize
-    if bwd_snap > (smem_max if bwd_per_sm == 1 else min(smem_max, KEEP_SMEM)):
+    if (bwd_snap > (smem_max if bwd_per_sm == 1 else min(smem_max, KEEP_SMEM))
+            or not exact_snapshots):   # quantized snapshots: nothing to stage
         bwd_snap = 0
     # ... and with it the dM rows of the chunk's writes and the bank rows of its reads (round 1
     # copies them all with cp.async, then reads shared memory only)
@@ -323,19 +349,12 @@ def _plan(lay: Layout, quant, limits, backward, cmax=None, exact_snapshots=True)
         if bwd_dm > (smem_max if bwd_per_sm == 1 else min(smem_max, KEEP_SMEM)):
             bwd_dm = 0
     if (backward and not bwd_snap and exact_snapshots and BWD_CHUNK is None
-            and C // 2 >= STAGE_MIN_CHUNK):
+            and chunk is None and C // 2 >= STAGE_MIN_CHUNK):
         # exact snapshots that do not fit beside this chunk: a shorter chunk whose snapshot
         # stage fits is faster (stop 20, H200: W = 24 bf16 8.16 -> 6.68 ms forward+backward,
         # C = 64 -> 32; float32 bank at W = 16 6.17 -> 6.13)
         alt = _plan(lay, quant, limits, backward, cmax=C // 2)
         if alt.smem_bwd_snap:
-            return alt
-    if (backward and bwd_snap and not bwd_dm and BWD_DM_STAGE and exact_snapshots
-            and BWD_CHUNK is None and C // 2 >= STAGE_MIN_CHUNK):
-        # the same for the dM stage (stop 21, H200, forward+backward: headline 4.67 -> 4.25 ms
-        # at C = 64 -> 32; W = 32 9.23 -> 8.74 at 32 -> 16; W = 8 2.567 -> 2.586, the one loss)
-        alt = _plan(lay, quant, limits, backward, cmax=C // 2, exact_snapshots=exact_snapshots)
-        if alt.smem_bwd_dm:
             return alt
     return Plan(C=C, Nt=Nt, TW=TW, ntile=ntile, N=N, smem_pre=pre, smem_fwd=smem_fwd,
                 smem_bwd=bwd, keep=keep, CS=_r16((2 if backward else 1) * C * C), seg=seg,
@@ -351,7 +370,7 @@ def check_config(lay: Layout, config) -> None:
         raise UnsupportedConfigurationError(
             f"snapshot_quant={mode!r} needs bfloat16/fp8 conversions of compute capability "
             f">= 8.0; this device has {cc}")
-    plan(lay, config, quant=mode)
+    plan(lay, config, quant=mode, saves=True)
 
 
 # ---- launches ---------------------------------------------------------------------------------
@@ -447,7 +466,7 @@ def sdm_fwd(lay: Layout, config, bank, write_idx, write_w, values, beta, read_id
     float32 scales [B, T, P, W] for the 1-byte modes, else None)."""
     import cupy
     mode = config.snapshot_quant if save_snapshots else None
-    pl = plan(lay, config, quant=mode)
+    pl = plan(lay, config, quant=mode, saves=save_snapshots)
     acc = K.compute_dtype(lay.bank_dtype, lay.value_dtype)
     vk = K.kernel_value_dtype(lay.bank_dtype, lay.value_dtype)
     v = values if values.dtype == vk else values.astype(vk)
@@ -502,8 +521,8 @@ def sdm_bwd(lay: Layout, config, bank, inputs, snapshots, dr, dM):
     import cupy
     write_idx, write_w, values, beta, read_idx, read_w = inputs
     mode = config.snapshot_quant
-    # tiles freely (scales are stored); stages exact snapshots where they fit
-    pl = plan(lay, config, quant=None, backward=True, exact_snapshots=mode is None)
+    # the forward's chunks; tiles freely (scales are stored); stages where they fit
+    pl = backward_plan(lay, config)
     acc = K.compute_dtype(lay.bank_dtype, lay.value_dtype)
     vk = K.kernel_value_dtype(lay.bank_dtype, lay.value_dtype)
     v = values if values.dtype == vk else values.astype(vk)

@@ -276,7 +276,7 @@ def test_backward_dm_stage_is_bitwise_the_snapshot_stage(rng, monkeypatch, dtype
         monkeypatch.setattr(gpu, "BWD_DM_STAGE", dm)
         x = pb.to(cp)
         lay = sdm._validate.layout(x.bank, *x.inputs, cfg)
-        pl = gpu.plan(lay, cfg, backward=True)
+        pl = gpu.backward_plan(lay, cfg)
         assert pl.ntile == 1 and pl.smem_bwd_snap > 0 and (pl.smem_bwd_dm > 0) == bool(dm)
         smem.clear()
         (r, fin), grads, rewound = _run(pb, cfg, dr, dM)
@@ -368,7 +368,7 @@ def test_chunks_halved_for_a_stage_that_fits_match_reference(rng, monkeypatch, d
     outs = []
     for floor, halved in ((16, True), (1000, False)):
         monkeypatch.setattr(gpu, "STAGE_MIN_CHUNK", floor)
-        fwd, bwd = (gpu.plan(lay, cfg, backward=b) for b in (False, True))
+        fwd, bwd = gpu.plan(lay, cfg, saves=True), gpu.backward_plan(lay, cfg)
         if halved and gpu._device_limits()[1] >= 227 * 1024:   # an H100/H200's shared memory
             assert (fwd.C, fwd.rstage, bwd.C) == (C, True, C) and bwd.smem_bwd_snap > 0
         (r, fin), grads, rewound = _run(pb, cfg, dr, None)
@@ -380,6 +380,39 @@ def test_chunks_halved_for_a_stage_that_fits_match_reference(rng, monkeypatch, d
         outs.append((r, fin) + grads)
     for name, a, b_ in zip(("readings", "final bank") + GRADS, *outs):
         assert_close(a, b_, tol, f"{name}: halved against unhalved")
+
+
+@pytest.mark.parametrize("dtype, B, P, W, hd", [(np.float32, 4, 8, 3, 256), (np.float32, 2, 2, 32, 8),
+                                               (np.float64, 4, 8, 8, 128)],
+                         ids=["f32-W3-hd256", "f32-W32-hd8", "f64-W8-hd128"])
+def test_backward_walks_the_forwards_chunks_match_reference(rng, dtype, B, P, W, hd):
+    """Layouts where the backward by itself takes a shorter chunk than the forward (its shared
+    memory, or a stage that fits only there): before stop 21 it did, and walked chunks that
+    the snapshots were not taken at, so rows written twice in a forward chunk gave wrong weight
+    gradients (relative error 1e-2 at float64). Now a forward that saves snapshots takes the
+    backward's chunk and the backward walks the forward's: every output matches the float64
+    reference, with many repeated slots (S = 40) and a partial last chunk (T = 70)."""
+    from sdm_cupy.kernels import gpu
+    pb = make_problem(rng, B=B, T=70, P=P, hd=hd, S=40, W=W, dtype=dtype)
+    cfg = _cfg(pb, 64)
+    x = pb.to(cp)
+    lay = sdm._validate.layout(x.bank, *x.inputs, cfg)
+    del x
+    fwd_alone = gpu.plan(lay, cfg)
+    saving, bwd = gpu.plan(lay, cfg, saves=True), gpu.backward_plan(lay, cfg)
+    assert saving.C == bwd.C <= gpu.plan(lay, cfg, backward=True).C
+    if gpu._device_limits()[1] >= 227 * 1024:   # an H100/H200: the case this test is for
+        assert bwd.C < fwd_alone.C
+    dr = rng.normal(size=pb.values.shape).astype(dtype)
+    dM = rng.normal(size=pb.bank.shape).astype(dtype)
+    (r, fin), grads, rewound = _run(pb, cfg, dr, dM)
+    assert np.array_equal(rewound.view(np.uint8), pb.bank.view(np.uint8)), "rewound bank"
+    tol = 1e-4 if np.dtype(dtype) == np.float32 else 1e-9
+    assert_close(r, reference_fwd(pb)[0], tol, "readings")
+    assert_close(fin, reference_fwd(pb)[1], tol, "final bank")
+    for name, got, want in zip(GRADS, grads, reference_bwd(pb, dr.astype(np.float64),
+                                                           dM.astype(np.float64))):
+        assert_close(got, want, tol, f"grad {name}")
 
 
 @pytest.mark.parametrize("W", [3, 40, 64, 80], ids=lambda w: f"W{w}")
