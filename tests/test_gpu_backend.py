@@ -255,43 +255,6 @@ def test_compile_time_variants_leave_results_bitwise_equal(rng, monkeypatch, mac
 
 @pytest.mark.parametrize("W", [3, 7, 12], ids=lambda w: f"W{w}")
 @pytest.mark.parametrize("dtype", [BF16, np.float32], ids=["bf16", "f32"])
-def test_backward_dm_stage_is_bitwise_the_snapshot_stage(rng, monkeypatch, dtype, W):
-    """The dM stage (gpu.BWD_DM_STAGE): the backward copies the dM rows of its writes and the
-    bank rows of its reads into shared memory beside the snapshots. Against the snapshot stage
-    alone at the same chunk, with repeated slots and a nonzero incoming grad bank: the forward,
-    every gradient (one column tile, so the weight grads' atomics add in one order) and the
-    rewound bank are bitwise equal, and the launches took the stage's shared memory."""
-    from sdm_cupy.kernels import gpu
-    monkeypatch.setattr(gpu, "BWD_TILE_WIDTH", 32)
-    pb = make_problem(rng, B=2, T=90, P=2, hd=32, S=40, W=W, dtype=dtype)
-    dr = rng.normal(size=pb.values.shape).astype(dtype)
-    dM = rng.normal(size=pb.bank.shape).astype(np.float32)
-    cfg = _cfg(pb, 16)   # six chunks, the last one 10 tokens; every stage fits one 32-column tile
-    smem = []
-    launch = gpu._launch
-    monkeypatch.setattr(gpu, "_launch", lambda src, key, name, grid, sm, *a, **k: (
-        smem.append(sm) if src == "bwd" else None, launch(src, key, name, grid, sm, *a, **k)))
-    outs = []
-    for dm in (False, True):
-        monkeypatch.setattr(gpu, "BWD_DM_STAGE", dm)
-        x = pb.to(cp)
-        lay = sdm._validate.layout(x.bank, *x.inputs, cfg)
-        pl = gpu.backward_plan(lay, cfg)
-        assert pl.ntile == 1 and pl.smem_bwd_snap > 0 and (pl.smem_bwd_dm > 0) == bool(dm)
-        smem.clear()
-        (r, fin), grads, rewound = _run(pb, cfg, dr, dM)
-        assert smem and set(smem) == {pl.smem_bwd_dm if dm else pl.smem_bwd_snap}
-        outs.append((r, fin) + grads + (rewound,))
-    for name, a, b_ in zip(("readings", "final bank") + GRADS + ("rewound bank",), *outs):
-        assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b_).view(np.uint8)), name
-    assert np.array_equal(outs[0][-1].view(np.uint8), pb.bank.view(np.uint8))
-    tol = 1e-4 if np.dtype(dtype) == np.float32 else 5e-2
-    for name, got, want in zip(GRADS, outs[1][2:7], reference_bwd(pb, dr.astype(np.float64), dM)):
-        assert_close(got, want, tol, f"grad {name}")
-
-
-@pytest.mark.parametrize("W", [3, 7, 12], ids=lambda w: f"W{w}")
-@pytest.mark.parametrize("dtype", [BF16, np.float32], ids=["bf16", "f32"])
 def test_backward_grouped_row_loads_are_bitwise_entry_by_entry(rng, monkeypatch, dtype, W):
     """The backward's rounds load the rows of SDM_BWD_GB entries (2) before using any, whole
     groups first and the rest entry by entry (W = 3 and 7 leave a rest per thread: two

@@ -3,7 +3,6 @@ ranges of chunks and its shared memory, for the headline shape of SPEC §10 on a
 
 from __future__ import annotations
 
-import dataclasses
 import numpy as np
 import pytest
 
@@ -91,36 +90,6 @@ def test_chunk_halves_for_a_stage_that_fits(monkeypatch):
     assert bwd.C == 32   # the backward's own shared-memory bound, not the halving
 
 
-def _dm_stage_bytes(lay, pl):
-    rows = pl.C * lay.W * (-(-pl.TW // pl.N) * pl.N)
-    return (gpu._r16(pl.smem_bwd) + gpu._r16(rows * lay.bank_dtype.itemsize)
-            + gpu._r16(rows * lay.grad_bank_dtype.itemsize) + rows * lay.bank_dtype.itemsize)
-
-
-def test_backward_dm_stage_only_where_it_fits(monkeypatch):
-    """With exact snapshots the backward also stages the dM rows of its writes and the bank
-    rows of its reads (gpu.BWD_DM_STAGE) where they fit beside its chunk: W = 4 at C = 64
-    (bf16 and float32 banks), not the headline; never with quantized snapshots or the knob
-    off; it never changes a chunk."""
-    for kw, fits in ((dict(W=4), True), (dict(), False), (dict(W=4, bank_dtype=np.dtype(np.float32),
-                     value_dtype=np.dtype(np.float32)), True), (dict(W=32), False)):
-        lay = _layout(**kw)
-        pl = gpu.backward_plan(lay, _cfg(lay), limits=H200)
-        assert pl.smem_bwd_snap > 0, kw
-        assert (pl.smem_bwd_dm > 0) == fits, kw
-        if fits:
-            assert pl.smem_bwd_dm == _dm_stage_bytes(lay, pl) <= H200[1], kw
-        else:
-            assert _dm_stage_bytes(lay, pl) > H200[1], kw
-        monkeypatch.setattr(gpu, "BWD_DM_STAGE", False)
-        off = gpu.backward_plan(lay, _cfg(lay), limits=H200)
-        assert off.smem_bwd_dm == 0 and off == dataclasses.replace(pl, smem_bwd_dm=0), kw
-        monkeypatch.setattr(gpu, "BWD_DM_STAGE", True)
-    lay = _layout(W=4)
-    quant = gpu.plan(lay, _cfg(lay), limits=H200, backward=True, exact_snapshots=False)
-    assert quant.smem_bwd_dm == 0
-
-
 LAYOUTS = [dict(), dict(W=1), dict(W=3, hd=256), dict(W=8, hd=256), dict(W=32, hd=8),
            dict(W=48), dict(W=64, hd=32), dict(hd=100), dict(T=70, C=16), dict(T=1),
            dict(B=64, T=1, W=4)]
@@ -142,7 +111,7 @@ def test_backward_walks_the_saving_forwards_chunks(monkeypatch, dtype, mode):
     if mode is not None and dt == np.float64:
         pytest.skip("snapshot modes are for 16- and 32-bit banks")
     for knobs in ({}, {"FWD_CHUNK": 16}, {"BWD_CHUNK": 8}, {"STAGE_MIN_CHUNK": 64},
-                  {"BWD_DM_STAGE": False}):
+                  {"BWD_THREADS": 256}):
         for k, v in knobs.items():
             monkeypatch.setattr(gpu, k, v)
         for kw in LAYOUTS:
@@ -158,7 +127,7 @@ def test_backward_walks_the_saving_forwards_chunks(monkeypatch, dtype, mode):
             free = gpu.plan(lay, cfg, limits=H200, backward=True, exact_snapshots=mode is None)
             assert bwd.C == fwd.C <= free.C, (knobs, kw)
             assert bwd.Nt == fwd.Nt, (knobs, kw)
-            assert max(bwd.smem_bwd, bwd.smem_bwd_snap, bwd.smem_bwd_dm) <= H200[1], (knobs, kw)
+            assert max(bwd.smem_bwd, bwd.smem_bwd_snap) <= H200[1], (knobs, kw)
         monkeypatch.undo()
 
 
@@ -167,11 +136,9 @@ def test_backward_snapshot_stage_keeps_two_blocks_per_sm(monkeypatch):
     lay = _layout()
     pl = gpu.plan(lay, _cfg(lay), limits=H200, backward=True)
     assert pl.smem_bwd_snap == 0 or pl.smem_bwd_snap <= gpu.KEEP_SMEM
-    assert pl.smem_bwd_dm == 0 or pl.smem_bwd_dm <= gpu.KEEP_SMEM
     small = _layout(W=4)
     pls = gpu.plan(small, _cfg(small), limits=H200, backward=True)
     assert 0 < pls.smem_bwd_snap <= gpu.KEEP_SMEM
-    assert 0 < pls.smem_bwd_dm <= gpu.KEEP_SMEM
 
 
 @pytest.mark.parametrize("scratch", [1, 10 ** 7, 10 ** 12])
@@ -302,8 +269,8 @@ def test_forward_read_stage_only_where_it_widens_the_tile_or_runs_one_wave():
 KNOBS = {"STAGE_READS": False, "STAGE_THREADS": 256, "THREADS": 512, "BWD_THREADS": 256, "TILE_WIDTH": 32, "BWD_TILE_WIDTH": 64,
          "BWD_SCRATCH": 10 ** 7, "FWD_CHUNK": 16, "BWD_CHUNK": 16, "STAGE_MIN_CHUNK": 64,
          "KEEP_ROWS": False, "KEEP_SMEM": 64 * 1024, "MAX_ENTRIES": 512, "E_STAGE": 256,
-         "BE_STAGE": 512, "BWD_DM_STAGE": False}
-KNOB_LAYOUT = {"STAGE_MIN_CHUNK": dict(W=32), "BWD_DM_STAGE": dict(W=4)}   # a layout whose plan the knob changes
+         "BE_STAGE": 512}
+KNOB_LAYOUT = {"STAGE_MIN_CHUNK": dict(W=32)}   # a layout whose plan the knob changes
 
 
 @pytest.mark.parametrize("knob", list(KNOBS))
