@@ -19,7 +19,9 @@ CuPy's memory pool. Grid sizes are checked against the device limits before any 
 Safety: ids outside [0, S) are skipped by every kernel (they never address memory) and
 recorded in one host-mapped int; ``check_device_errors()`` synchronises and reports it.
 
-Process-wide settings the kernels read (a graph runner keys on ``settings()``):
+Process-wide settings the kernels read (a graph runner keys on ``settings()``; set them between
+a backward and the next forward, never in between: a backward recomputes from them the chunks of
+the forward that saved its snapshots):
 ``TILE_WIDTH`` (None: automatic) forces the width of the column tiles, ``THREADS`` the block size,
 ``KEEP_ROWS`` (None: automatic) whether the forward keeps its gathered rows in shared memory,
 ``FUSE_THREADS`` (None: automatic) the block size of one-token (decoding) forwards,
