@@ -7,7 +7,9 @@ threads in a seeded random order. Checked: the float64 reference (readings, fina
 gradient, the bank rewound bit for bit) over the launcher's paths; quantized snapshots against
 the CPU backend; bad ids skipped, flagged and kept inside the bank; the forward bitwise the same
 whatever the order of blocks and threads. ``test_kernels_under_address_sanitizer`` runs a set of
-these again in a child process with AddressSanitizer watching every global and shared access.
+these again in a child process with AddressSanitizer watching every global and shared access;
+``test_no_unknown_race_under_thread_sanitizer`` runs ``tests/emu/racecheck.py`` (ThreadSanitizer:
+any unordered pair of accesses inside a block that is not a known harmless race fails).
 The emulator's own checks (a barrier not every thread reaches, a cp.async read before its
 wait) have tests of their own at the end. Not covered here: speed, and float32 subnormals under
 the device's ``-ftz`` (the GPU suite covers both)."""
@@ -221,7 +223,8 @@ SELF = r"""
 namespace sdm {
 // mode 0: copies row `blockIdx.x` of src into shared memory with cp.async, waits, syncs, and
 //         writes it back reversed; 1: the same without the wait; 2: a barrier only even
-//         threads reach; 3: one warp's shuffle with half its lanes; 4: writes one past the end
+//         threads reach; 3: one warp's shuffle with half its lanes; 4: writes one past the end;
+//         5: reads a neighbour's shared word with no barrier in between
 template <typename T>
 __global__ void selftest_kernel(const T* src, T* dst, int n, int mode) {
   extern __shared__ __align__(16) unsigned char smem[];
@@ -239,6 +242,9 @@ __global__ void selftest_kernel(const T* src, T* dst, int n, int mode) {
     if (t % 32 < 16) dst[t] = __shfl_xor_sync(0xffffffffu, src[t], 1);
   } else if (mode == 4) {
     if (t == 0) dst[gridDim.x * n] = T(1);
+  } else if (mode == 5) {   // a neighbour's shared word read without a barrier: a race
+    if (t < n) s[t] = src[blockIdx.x * n + t];
+    if (t < n) dst[blockIdx.x * n + t] = s[t ^ 1];
   }
 }
 }  // namespace sdm
@@ -295,6 +301,27 @@ def test_kernels_under_address_sanitizer(tmp_path):
     tail = (r.stdout + r.stderr)[-6000:]
     assert r.returncode == 0, f"AddressSanitizer run failed:\n{tail}"
     assert "passed" in r.stdout and "AddressSanitizer" not in r.stdout + r.stderr, tail
+
+
+@pytest.mark.skipif(emu.asan() or emu.tsan(), reason="runs in the parent process")
+def test_no_unknown_race_under_thread_sanitizer():
+    """tests/emu/racecheck.py: the kernels built with ThreadSanitizer (barriers order memory,
+    nothing else does), three cases with repeated slots; every unordered pair of accesses
+    inside a block must be one of its known harmless races. And a kernel that reads a
+    neighbour's shared word without a barrier is reported."""
+    try:
+        env = emu.tsan_env()
+    except (subprocess.CalledProcessError, OSError) as e:
+        pytest.skip(f"no libtsan for {emu.compiler()}: {e}")
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import sys; sys.path.insert(0, {here!r}); "
+            "import test_emulated_kernels as t; t._selftest(5)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       cwd="/", timeout=600)
+    assert r.returncode != 0 and "data race" in r.stderr, r.stderr[-3000:]
+    r = subprocess.run([sys.executable, os.path.join(here, "emu", "racecheck.py")],
+                       capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
 
 
 @pytest.mark.skipif(not emu.asan(), reason="runs inside test_kernels_under_address_sanitizer")
