@@ -331,3 +331,115 @@ def test_asan_catches_a_write_past_the_end():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        env=os.environ.copy(), timeout=600)
     assert r.returncode != 0 and "heap-buffer-overflow" in r.stderr, r.stderr[-3000:]
+
+
+# ---- a forward's chunk carried to its backward (stops 21-22; their GPU tests await a device) --
+def _inputs(pb, lay):
+    wd, idx = lay.weight_dtype, lay.index_dtype
+    return (pb.write_idx.astype(idx), pb.write_w.astype(wd), pb.values,
+            pb.beta.astype(wd), pb.read_idx.astype(idx), pb.read_w.astype(wd))
+
+
+def _check_all(pb, r, fin, g, rewound, dr, dM, tol):
+    assert np.array_equal(rewound.view(np.uint8), pb.bank.view(np.uint8)), "rewound bank"
+    r_ref, fin_ref = reference_fwd(pb)
+    assert_close(r, r_ref, tol, "readings")
+    assert_close(fin, fin_ref, tol, "final bank")
+    for name, got, want in zip(GRADS, g, reference_bwd(pb, dr, dM)):
+        assert_close(got, want, tol, f"grad {name}")
+
+
+@pytest.mark.parametrize("dtype, B, P, W, hd", [(np.float32, 4, 8, 3, 256),
+                                                (np.float32, 2, 2, 32, 8),
+                                                (np.float64, 4, 8, 8, 128)],
+                         ids=["f32-W3-hd256", "f32-W32-hd8", "f64-W8-hd128"])
+def test_backward_walks_the_forwards_chunks(rng, emulated, dtype, B, P, W, hd):
+    """Layouts where the backward alone would take a shorter chunk than the forward (H200
+    limits): the saving forward takes the backward's chunk, the backward walks it, and every
+    output matches the float64 reference with repeated slots and a partial last chunk."""
+    from sdm_cupy.kernels import gpu
+    pb = make_problem(rng, B=B, T=70, P=P, hd=hd, S=40, W=W, dtype=dtype)
+    cfg = _cfg(pb, 64)
+    lay = sdm._validate.layout(pb.bank, *pb.inputs, cfg)
+    saving, bwd = gpu.plan(lay, cfg, saves=True), gpu.backward_plan(lay, cfg)
+    assert saving.C == bwd.C < gpu.plan(lay, cfg).C, "not the layout this test is for"
+    dr = rng.normal(size=pb.values.shape).astype(dtype)
+    dM = rng.normal(size=pb.bank.shape).astype(dtype)
+    r, fin, g, rewound = _run(pb, cfg, dr, dM)
+    _check_all(pb, r, fin, g, rewound, dr.astype(np.float64), dM.astype(np.float64),
+               1e-4 if dtype == np.float32 else 1e-9)
+
+
+@pytest.mark.parametrize("fwd_chunk, bwd_chunk", [(16, None), (None, 16)])
+def test_knobs_changed_between_forward_and_backward(rng, emulated, fwd_chunk, bwd_chunk):
+    """gpu.FWD_CHUNK changed between a forward and its backward: the backward walks the chunk
+    the snapshots carry, not the one the knobs give by then (float64 reference, exact rewind)."""
+    from sdm_cupy.kernels import gpu
+    knobs, _ = emulated
+    pb = make_problem(rng, B=2, T=70, P=2, hd=24, S=40, W=5)
+    cfg = _cfg(pb, 64)
+    lay = sdm._validate.layout(pb.bank, *pb.inputs, cfg)
+    inputs = _inputs(pb, lay)
+    dr, dM = rng.normal(size=pb.values.shape), rng.normal(size=pb.bank.shape)
+    bank = pb.bank.copy()
+    knobs(FWD_CHUNK=fwd_chunk)
+    r, snaps = gpu.sdm_fwd(lay, cfg, bank, *inputs, save_snapshots=True)
+    fin = bank.copy()
+    knobs(FWD_CHUNK=bwd_chunk)
+    gpu._PLANS.clear()
+    assert snaps.chunk == (fwd_chunk or 32)
+    assert gpu.backward_plan(lay, cfg).C == (bwd_chunk or 32) != snaps.chunk
+    gpu.check_backward(lay, cfg, snaps)
+    g = gpu.sdm_bwd(lay, cfg, bank, inputs, snaps, dr, dM.copy())
+    _check_all(pb, r, fin, g, bank, dr, dM, 1e-9)
+
+
+def test_backward_narrows_its_tiles_for_the_forwards_chunk(rng, emulated):
+    """A forward under gpu.TILE_WIDTH = 8 (float32, hd = 256, W = 8: 64-token chunks), the knob
+    reset before its backward: the backward takes narrower tiles than its own to fit that
+    chunk and still walks it (float64 reference, exact rewind)."""
+    from sdm_cupy.kernels import gpu
+    knobs, _ = emulated
+    pb = make_problem(rng, B=4, T=80, P=8, hd=256, S=64, W=8, dtype=np.float32)
+    cfg = _cfg(pb, 64)
+    lay = sdm._validate.layout(pb.bank, *pb.inputs, cfg)
+    inputs = _inputs(pb, lay)
+    bank = pb.bank.copy()
+    knobs(TILE_WIDTH=8)
+    r, snaps = gpu.sdm_fwd(lay, cfg, bank, *inputs, save_snapshots=True)
+    fin = bank.copy()
+    knobs(TILE_WIDTH=None)
+    gpu._PLANS.clear()
+    own, bwd = gpu.plan(lay, cfg, backward=True), gpu.backward_plan(lay, cfg, chunk=snaps.chunk)
+    assert own.C < snaps.chunk == bwd.C == 64 and bwd.TW < own.TW, (own, bwd)
+    dr = rng.normal(size=pb.values.shape).astype(np.float32)
+    gpu.check_backward(lay, cfg, snaps)
+    g = gpu.sdm_bwd(lay, cfg, bank, inputs, snaps, dr, None)
+    _check_all(pb, r, fin, g, bank, dr.astype(np.float64), None, 1e-4)
+
+
+def test_backward_refused_for_a_chunk_it_no_longer_fits_then_runs(rng, emulated):
+    """A backward tile width forced after the forward that leaves too little shared memory for
+    the forward's chunk: check_backward refuses with the knob named, nothing ran; with the
+    knob restored the backward runs and matches the reference."""
+    from sdm_cupy.kernels import gpu
+    knobs, _ = emulated
+    pb = make_problem(rng, B=1, T=40, P=1, hd=256, S=30, W=8, dtype=np.float32)
+    cfg = _cfg(pb, 64)
+    lay = sdm._validate.layout(pb.bank, *pb.inputs, cfg)
+    inputs = _inputs(pb, lay)
+    bank = pb.bank.copy()
+    r, snaps = gpu.sdm_fwd(lay, cfg, bank, *inputs, save_snapshots=True)
+    fin = bank.copy()
+    knobs(BWD_TILE_WIDTH=pb.hd)
+    gpu._PLANS.clear()
+    with pytest.raises(RuntimeError, match=f"forward that ran {snaps.chunk}-token chunks.*"
+                                           f"BWD_TILE_WIDTH={pb.hd}"):
+        gpu.check_backward(lay, cfg, snaps)
+    assert np.array_equal(bank, fin)
+    knobs(BWD_TILE_WIDTH=None)
+    gpu._PLANS.clear()
+    dr = rng.normal(size=pb.values.shape).astype(np.float32)
+    gpu.check_backward(lay, cfg, snaps)
+    g = gpu.sdm_bwd(lay, cfg, bank, inputs, snaps, dr, None)
+    _check_all(pb, r, fin, g, bank, dr.astype(np.float64), None, 1e-4)
