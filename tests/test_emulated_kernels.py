@@ -217,6 +217,97 @@ def test_expand_and_sum_memory_batch(rng, emulated):
                      f"sum_memory_batch {np.dtype(dt)}")
 
 
+def _random_case(rng):
+    """A random layout, dtype, snapshot mode and set of launcher knobs that the GPU backend
+    accepts: ids drawn from a small S (repeats), T not a multiple of the chunk, a few bad ids
+    now and then (the launcher then gets what check_indices=False lets through)."""
+    from sdm_cupy.kernels import gpu
+    while True:
+        dtype = [np.float64, np.float32, BF16][rng.integers(3)]
+        hd = int(rng.choice([4, 8, 12, 20, 32, 36, 64]))
+        pb = make_problem(rng, B=int(rng.integers(1, 4)), T=int(rng.integers(1, 91)),
+                          P=int(rng.integers(1, 4)), hd=hd, S=int(rng.integers(1, 50)),
+                          W=int(rng.integers(1, 21)), dtype=dtype)
+        quant = [None, None, "bf16", "fp8_e4m3", "int8"][rng.integers(5)]
+        if quant == "bf16" and dtype == BF16:
+            quant = None
+        C = int(rng.choice([1, 2, 5, 8, 16, 32, 64]))
+        knobs = dict(TILE_WIDTH=[None, None, 4, 8, 12][rng.integers(5)],
+                     BWD_THREADS=[512, 256, 96][rng.integers(3)],
+                     KEEP_ROWS=[None, False][rng.integers(2)],
+                     STAGE_READS=[None, False, True][rng.integers(3)],
+                     BWD_SCRATCH=[56 << 20, 1][rng.integers(2)])
+        cfg = _cfg(pb, C, snapshot_quant=quant)
+        lay = sdm._validate.layout(pb.bank, *pb.inputs, cfg)
+        old = {k: getattr(gpu, k) for k in knobs}
+        try:
+            for k, v in knobs.items():
+                setattr(gpu, k, v)
+            gpu.check_config(lay, cfg)
+            gpu.backward_plan(lay, cfg, chunk=gpu.plan(lay, cfg, quant=quant, saves=True).C)
+        except (ValueError, RuntimeError):
+            continue
+        finally:
+            for k, v in old.items():
+                setattr(gpu, k, v)
+            gpu._PLANS.clear()
+        if rng.random() < 0.3:   # a few ids outside [0, S)
+            for arr in (pb.write_idx, pb.read_idx):
+                flat = arr.reshape(-1)
+                k = rng.integers(0, flat.size, size=min(3, flat.size))
+                flat[k] = rng.choice([-1, pb.S, pb.S + 7, 10 ** 6], size=k.size)
+        return pb, cfg, knobs
+
+
+def test_random_layouts_knobs_and_modes(emulated):
+    """Six random cases a run (fresh each run, the seed printed): readings, final bank, every
+    gradient and the rewind against the float64 reference (exact snapshots) or the CPU backend
+    (quantized ones), the bad ids of a case skipped and flagged."""
+    knobs_set, err = emulated
+    seed = int(os.environ.get("SDM_RANDOM_CASES_SEED") or int.from_bytes(os.urandom(4), "little"))
+    print(f"random cases seed={seed} (SDM_RANDOM_CASES_SEED={seed} repeats them)")
+    rng = np.random.default_rng(seed)
+    for i in range(6):
+        pb, cfg, knobs = _random_case(rng)
+        knobs_set(**knobs)
+        what = (f"case {i} of seed {seed}: B={pb.B} T={pb.T} P={pb.P} hd={pb.hd} S={pb.S} "
+                f"W={pb.W} {pb.bank.dtype} C={cfg.chunk_size} {cfg.snapshot_quant} {knobs}")
+        bad_w = (pb.write_idx < 0) | (pb.write_idx >= pb.S)
+        bad_r = (pb.read_idx < 0) | (pb.read_idx >= pb.S)
+        fixed = dataclasses.replace(pb, write_idx=np.where(bad_w, 0, pb.write_idx),
+                                    read_idx=np.where(bad_r, 0, pb.read_idx),
+                                    write_w=np.where(bad_w, 0, pb.write_w),
+                                    read_w=np.where(bad_r, 0, pb.read_w))
+        dr = rng.normal(size=pb.values.shape)
+        err[0] = 0
+        r, fin, g, rewound = _run(pb, cfg, dr, None)
+        assert (err[0] != 0) == bool(bad_w.any() or bad_r.any()), f"error word: {what}"
+        ftol, gtol = TOL[pb.bank.dtype]
+        # a skipped entry's weight gradient is 0 (its id has no row); elsewhere the reference's
+        # (whose 0 weight at id 0 would give that entry a gradient of its own)
+        g = list(g)
+        for j, bad in ((1, bad_w), (4, bad_r)):
+            assert not np.abs(g[j][bad]).any(), f"{GRADS[j]} gradient at a bad id, {what}"
+        if cfg.snapshot_quant is None:
+            assert np.array_equal(rewound.view(np.uint8), pb.bank.view(np.uint8)), what
+            r_ref, fin_ref = reference_fwd(fixed)
+            want = list(reference_bwd(fixed, dr, None))
+            tol = (ftol, gtol)
+        else:
+            res = sdm.forward(*fixed.args(), cfg)   # the CPU backend, the same quantization
+            gc = sdm.backward(res.saved, dr.astype(pb.values.dtype))
+            r_ref, fin_ref, want = res.readings, fin, [getattr(gc, n) for n in GRADS]
+            assert_close(rewound, res.bank, 2e-2 if pb.bank.dtype == BF16 else 1e-4,
+                         f"rewound bank gpu vs cpu, {what}")
+            tol = (2e-2, 2e-2) if pb.bank.dtype == BF16 else (1e-4, 1e-4)
+        for j, bad in ((1, bad_w), (4, bad_r)):
+            want[j] = np.where(bad, 0, want[j])
+        assert_close(r, r_ref, tol[0], f"readings, {what}")
+        assert_close(fin, fin_ref, tol[0], f"final bank, {what}")
+        for name, got, w in zip(GRADS, g, want):
+            assert_close(got, w, tol[1], f"grad {name}, {what}")
+
+
 # ---- the emulator's own checks ----------------------------------------------------------------
 SELF = r"""
 #include "sdm_common.cuh"
@@ -292,7 +383,7 @@ def test_kernels_under_address_sanitizer(tmp_path):
         pytest.skip(f"no libasan for {emu.compiler()}: {e}")
     env["SDM_EMU_CACHE"] = os.environ.get("SDM_EMU_CACHE", "") or emu.cache_dir()
     sel = " or ".join([f"test_kernels_match_reference[{c}]" for c in ASAN_CASES]
-                      + ["test_bad_ids", "test_quantized_snapshots_match_the_cpu_backend[bf16-fp8]",
+                      + ["test_bad_ids", "test_random_layouts", "test_quantized_snapshots_match_the_cpu_backend[bf16-fp8]",
                          "test_asan_catches"])
     here = os.path.dirname(os.path.abspath(__file__))
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
