@@ -189,19 +189,25 @@ def test_bad_ids_are_skipped_flagged_and_stay_in_bounds(rng, emulated, case):
 @pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
 def test_forward_is_bitwise_the_same_in_any_block_and_thread_order(rng, monkeypatch, dtype):
     """Three seeds, three orders of blocks and of threads between barriers: readings, final
-    bank and snapshots bit for bit the same (a race inside a block would show here)."""
+    bank and snapshots bit for bit the same (a race inside a block would show here), and of
+    the backward, the value gradients and the rewound bank (its weight and bank gradients are
+    sums of atomics, whose last bits may follow the order)."""
     from sdm_cupy.kernels import gpu
     pb = make_problem(rng, **dict(SMALL, S=12, dtype=dtype))   # S = 12: slots repeat
     cfg = _cfg(pb, 16)
     lay = sdm._validate.layout(pb.bank, *pb.inputs, cfg)
+    dr = rng.normal(size=pb.values.shape).astype(dtype)
     outs = []
     for seed in (1, 2, 3):
         emu.patch(monkeypatch, seed=seed * 7919)
         bank = pb.bank.copy()
         r, snaps = gpu.sdm_fwd(lay, cfg, bank, *pb.inputs, save_snapshots=True)
-        outs.append([a.view(np.uint8).copy() for a in (r, bank, snaps[0])])
+        fin = bank.copy()
+        g = gpu.sdm_bwd(lay, cfg, bank, pb.inputs, snaps, dr, None)
+        outs.append([a.view(np.uint8).copy() for a in (r, fin, snaps[0], g[2], bank)])
     for other in outs[1:]:
-        for name, a, b in zip(("readings", "final bank", "snapshots"), outs[0], other):
+        for name, a, b in zip(("readings", "final bank", "snapshots", "value gradients",
+                               "rewound bank"), outs[0], other):
             assert np.array_equal(a, b), f"{name} differ between block/thread orders"
 
 
