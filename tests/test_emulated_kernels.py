@@ -249,6 +249,7 @@ def _random_case(rng):
         try:
             for k, v in knobs.items():
                 setattr(gpu, k, v)
+            sdm._validate.check_snapshot_quant(lay, quant)   # what sdm.forward checks first
             gpu.check_config(lay, cfg)
             gpu.backward_plan(lay, cfg, chunk=gpu.plan(lay, cfg, quant=quant, saves=True).C)
         except (ValueError, RuntimeError):
@@ -300,8 +301,17 @@ def test_random_layouts_knobs_and_modes(emulated):
             want = list(reference_bwd(fixed, dr, None))
             tol = (ftol, gtol)
         else:
-            res = sdm.forward(*fixed.args(), cfg)   # the CPU backend, the same quantization
-            gc = sdm.backward(res.saved, dr.astype(pb.values.dtype))
+            # the CPU backend with the GPU's chunk: a quantized rewind restores each chunk's
+            # start, so its weight gradients follow the chunking (docs/CHOOSING.md)
+            from sdm_cupy.kernels import cpu, gpu
+            lay = sdm._validate.layout(pb.bank, *pb.inputs, cfg)
+            cap = cpu.CHUNK_CAP
+            cpu.CHUNK_CAP = gpu.plan(lay, cfg, quant=cfg.snapshot_quant, saves=True).C
+            try:
+                res = sdm.forward(*fixed.args(), cfg)
+                gc = sdm.backward(res.saved, dr.astype(pb.values.dtype))
+            finally:
+                cpu.CHUNK_CAP = cap
             r_ref, fin_ref, want = res.readings, fin, [getattr(gc, n) for n in GRADS]
             assert_close(rewound, res.bank, 2e-2 if pb.bank.dtype == BF16 else 1e-4,
                          f"rewound bank gpu vs cpu, {what}")
