@@ -467,6 +467,25 @@ def _inputs(pb, lay):
             pb.beta.astype(wd), pb.read_idx.astype(idx), pb.read_w.astype(wd))
 
 
+def _forward(pb, cfg, **knobs_during):
+    """gpu.sdm_fwd with snapshots on a copy of the bank, the gpu knobs `knobs_during` set for
+    the forward only: (layout, inputs, bank after it, readings, snapshots, final bank)."""
+    from sdm_cupy.kernels import gpu
+    lay = sdm._validate.layout(pb.bank, *pb.inputs, cfg)
+    inputs = _inputs(pb, lay)
+    bank = pb.bank.copy()
+    old = {k: getattr(gpu, k) for k in knobs_during}
+    try:
+        for k, v in knobs_during.items():
+            setattr(gpu, k, v)
+        r, snaps = gpu.sdm_fwd(lay, cfg, bank, *inputs, save_snapshots=True)
+    finally:
+        for k, v in old.items():
+            setattr(gpu, k, v)
+        gpu._PLANS.clear()
+    return lay, inputs, bank, r, snaps, bank.copy()
+
+
 def _check_all(pb, r, fin, g, rewound, dr, dM, tol):
     assert np.array_equal(rewound.view(np.uint8), pb.bank.view(np.uint8)), "rewound bank"
     r_ref, fin_ref = reference_fwd(pb)
@@ -507,15 +526,9 @@ def test_knobs_changed_between_forward_and_backward(rng, emulated, fwd_chunk, bw
     knobs, _ = emulated
     pb = make_problem(rng, B=2, T=70, P=2, hd=24, S=40, W=5)
     cfg = _cfg(pb, 64)
-    lay = sdm._validate.layout(pb.bank, *pb.inputs, cfg)
-    inputs = _inputs(pb, lay)
     dr, dM = rng.normal(size=pb.values.shape), rng.normal(size=pb.bank.shape)
-    bank = pb.bank.copy()
-    knobs(FWD_CHUNK=fwd_chunk)
-    r, snaps = gpu.sdm_fwd(lay, cfg, bank, *inputs, save_snapshots=True)
-    fin = bank.copy()
+    lay, inputs, bank, r, snaps, fin = _forward(pb, cfg, FWD_CHUNK=fwd_chunk)
     knobs(FWD_CHUNK=bwd_chunk)
-    gpu._PLANS.clear()
     assert snaps.chunk == (fwd_chunk or 32)
     assert gpu.backward_plan(lay, cfg).C == (bwd_chunk or 32) != snaps.chunk
     gpu.check_backward(lay, cfg, snaps)
@@ -528,17 +541,9 @@ def test_backward_narrows_its_tiles_for_the_forwards_chunk(rng, emulated):
     reset before its backward: the backward takes narrower tiles than its own to fit that
     chunk and still walks it (float64 reference, exact rewind)."""
     from sdm_cupy.kernels import gpu
-    knobs, _ = emulated
     pb = make_problem(rng, B=4, T=80, P=8, hd=256, S=64, W=8, dtype=np.float32)
     cfg = _cfg(pb, 64)
-    lay = sdm._validate.layout(pb.bank, *pb.inputs, cfg)
-    inputs = _inputs(pb, lay)
-    bank = pb.bank.copy()
-    knobs(TILE_WIDTH=8)
-    r, snaps = gpu.sdm_fwd(lay, cfg, bank, *inputs, save_snapshots=True)
-    fin = bank.copy()
-    knobs(TILE_WIDTH=None)
-    gpu._PLANS.clear()
+    lay, inputs, bank, r, snaps, fin = _forward(pb, cfg, TILE_WIDTH=8)
     own, bwd = gpu.plan(lay, cfg, backward=True), gpu.backward_plan(lay, cfg, chunk=snaps.chunk)
     assert own.C < snaps.chunk == bwd.C == 64 and bwd.TW < own.TW, (own, bwd)
     dr = rng.normal(size=pb.values.shape).astype(np.float32)
@@ -555,11 +560,7 @@ def test_backward_refused_for_a_chunk_it_no_longer_fits_then_runs(rng, emulated)
     knobs, _ = emulated
     pb = make_problem(rng, B=1, T=40, P=1, hd=256, S=30, W=8, dtype=np.float32)
     cfg = _cfg(pb, 64)
-    lay = sdm._validate.layout(pb.bank, *pb.inputs, cfg)
-    inputs = _inputs(pb, lay)
-    bank = pb.bank.copy()
-    r, snaps = gpu.sdm_fwd(lay, cfg, bank, *inputs, save_snapshots=True)
-    fin = bank.copy()
+    lay, inputs, bank, r, snaps, fin = _forward(pb, cfg)
     knobs(BWD_TILE_WIDTH=pb.hd)
     gpu._PLANS.clear()
     with pytest.raises(RuntimeError, match=f"forward that ran {snaps.chunk}-token chunks.*"
