@@ -16,6 +16,7 @@ the device's ``-ftz`` (the GPU suite covers both)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import subprocess
@@ -65,13 +66,33 @@ def emulated(monkeypatch):
     gpu._PLANS.clear()
 
 
+def _inputs(pb, lay):
+    """The op's inputs in the layout's index and weight dtypes (what sdm.forward passes on)."""
+    wd, idx = lay.weight_dtype, lay.index_dtype
+    return (pb.write_idx.astype(idx), pb.write_w.astype(wd), pb.values,
+            pb.beta.astype(wd), pb.read_idx.astype(idx), pb.read_w.astype(wd))
+
+
+@contextlib.contextmanager
+def _gpu_knobs(**kw):
+    """gpu knobs set for the block only (plans forgotten on the way out)."""
+    from sdm_cupy.kernels import gpu
+    old = {k: getattr(gpu, k) for k in kw}
+    try:
+        for k, v in kw.items():
+            setattr(gpu, k, v)
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(gpu, k, v)
+        gpu._PLANS.clear()
+
+
 def _run(pb, cfg, dr, dM, bank=None):
     """gpu.sdm_fwd with snapshots, then gpu.sdm_bwd: (readings, final bank, grads, rewound)."""
     from sdm_cupy.kernels import gpu
     lay = sdm._validate.layout(pb.bank, *pb.inputs, cfg)
-    wd, idx = lay.weight_dtype, lay.index_dtype
-    inputs = (pb.write_idx.astype(idx), pb.write_w.astype(wd), pb.values,
-              pb.beta.astype(wd), pb.read_idx.astype(idx), pb.read_w.astype(wd))
+    inputs = _inputs(pb, lay)
     if bank is None:
         bank = pb.bank.copy()
     gpu.check_config(lay, cfg)
@@ -261,19 +282,13 @@ def _random_case(rng):
                      BWD_SCRATCH=[56 << 20, 1][rng.integers(2)])
         cfg = _cfg(pb, C, snapshot_quant=quant)
         lay = sdm._validate.layout(pb.bank, *pb.inputs, cfg)
-        old = {k: getattr(gpu, k) for k in knobs}
         try:
-            for k, v in knobs.items():
-                setattr(gpu, k, v)
-            sdm._validate.check_snapshot_quant(lay, quant)   # what sdm.forward checks first
-            gpu.check_config(lay, cfg)
-            gpu.backward_plan(lay, cfg, chunk=gpu.plan(lay, cfg, quant=quant, saves=True).C)
+            with _gpu_knobs(**knobs):
+                sdm._validate.check_snapshot_quant(lay, quant)   # what sdm.forward checks first
+                gpu.check_config(lay, cfg)
+                gpu.backward_plan(lay, cfg, chunk=gpu.plan(lay, cfg, quant=quant, saves=True).C)
         except (ValueError, RuntimeError):
             continue
-        finally:
-            for k, v in old.items():
-                setattr(gpu, k, v)
-            gpu._PLANS.clear()
         if rng.random() < 0.3:   # a few ids outside [0, S)
             for arr in (pb.write_idx, pb.read_idx):
                 flat = arr.reshape(-1)
@@ -461,12 +476,6 @@ def test_asan_catches_a_write_past_the_end():
 
 
 # ---- a forward's chunk carried to its backward (stops 21-22; their GPU tests await a device) --
-def _inputs(pb, lay):
-    wd, idx = lay.weight_dtype, lay.index_dtype
-    return (pb.write_idx.astype(idx), pb.write_w.astype(wd), pb.values,
-            pb.beta.astype(wd), pb.read_idx.astype(idx), pb.read_w.astype(wd))
-
-
 def _forward(pb, cfg, **knobs_during):
     """gpu.sdm_fwd with snapshots on a copy of the bank, the gpu knobs `knobs_during` set for
     the forward only: (layout, inputs, bank after it, readings, snapshots, final bank)."""
@@ -474,15 +483,8 @@ def _forward(pb, cfg, **knobs_during):
     lay = sdm._validate.layout(pb.bank, *pb.inputs, cfg)
     inputs = _inputs(pb, lay)
     bank = pb.bank.copy()
-    old = {k: getattr(gpu, k) for k in knobs_during}
-    try:
-        for k, v in knobs_during.items():
-            setattr(gpu, k, v)
+    with _gpu_knobs(**knobs_during):
         r, snaps = gpu.sdm_fwd(lay, cfg, bank, *inputs, save_snapshots=True)
-    finally:
-        for k, v in old.items():
-            setattr(gpu, k, v)
-        gpu._PLANS.clear()
     return lay, inputs, bank, r, snaps, bank.copy()
 
 
