@@ -27,7 +27,8 @@ import pytest
 
 import emu
 import sdm_cupy as sdm
-from helpers import BF16, assert_close, make_problem, reference_bwd, reference_fwd
+from helpers import (BF16, assert_close, make_problem, reference_bwd, reference_fwd,
+                     spread_magnitudes)
 
 _why = emu.available()
 pytestmark = [pytest.mark.emu, pytest.mark.skipif(_why is not None, reason=str(_why))]
@@ -191,9 +192,7 @@ def test_snapshot_codes_are_the_cpu_backends_at_every_magnitude(rng, emulated, d
     if mode == "bf16" and dtype == BF16:
         pytest.skip("bf16 snapshots do not shrink a bfloat16 bank")
     pb = make_problem(rng, **dict(SMALL, dtype=dtype))
-    exps = np.array([-44, -40, -38, -37, -36, -30, -12, 0, 12, 30])
-    mag = 10.0 ** exps[np.arange(pb.bank.shape[0]) % pb.S % exps.size]   # per slot
-    pb.bank[...] = (pb.bank.astype(np.float64) * mag[:, None]).astype(dtype)
+    spread_magnitudes(pb)
     C = 16
     cfg = _cfg(pb, C, snapshot_quant=mode)
     lay = sdm._validate.layout(pb.bank, *pb.inputs, cfg)
