@@ -479,8 +479,8 @@ def _asan_spec():
     env = emu.asan_env()
     env["SDM_EMU_CACHE"] = os.environ.get("SDM_EMU_CACHE", "") or emu.cache_dir()
     sel = " or ".join([f"test_kernels_match_reference[{c}]" for c in ASAN_CASES]
-                      + ["test_bad_ids", "test_random_layouts", "test_quantized_snapshots_match_the_cpu_backend[bf16-fp8]",
-                         "test_asan_catches"])
+                      + ["test_bad_ids", "test_random_layouts", "test_asan_catches",
+                         "test_quantized_snapshots_match_the_cpu_backend[bf16-fp8]"])
     here = os.path.dirname(os.path.abspath(__file__))
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
            os.path.join(here, "test_emulated_kernels.py"), "-k", sel]
@@ -566,7 +566,7 @@ def test_asan_catches_a_write_past_the_end():
     assert r.returncode != 0 and "heap-buffer-overflow" in r.stderr, r.stderr[-3000:]
 
 
-# ---- a forward's chunk carried to its backward (stops 21-22; their GPU tests await a device) --
+# ---- a forward's chunk carried to its backward (stops 21-22; on the H200 since stop 24) ----------
 def _forward(pb, cfg, **knobs_during):
     """gpu.sdm_fwd with snapshots on a copy of the bank, the gpu knobs `knobs_during` set for
     the forward only: (layout, inputs, bank after it, readings, snapshots, final bank)."""
