@@ -38,10 +38,25 @@ def main(argv=None) -> int:
             name = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
             print(f"GPU backend: CuPy {cupy.__version__} on {name}")
         else:
-            print("GPU backend: not available (CuPy missing or no CUDA device); CPU backend: Numba")
+            print(f"GPU backend: not available ({_why_no_gpu()}); CPU backend: Numba")
         return 0
     return 2
 
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _why_no_gpu() -> str:
+    """Why gpu_available() is False, in words a user can act on."""
+    try:
+        import cupy
+    except ImportError:
+        return "CuPy is not installed: pip install -e '.[cuda13]' (or cuda12)"
+    except Exception as e:  # noqa: BLE001 - a broken install says what broke
+        return f"CuPy does not import: {type(e).__name__}: {e}"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # noqa: BLE001 - no driver, or a driver too old for this CuPy
+        return f"CuPy {cupy.__version__} finds no CUDA driver or device: {type(e).__name__}: {e}"
+    return f"CuPy {cupy.__version__} sees {n} CUDA devices"

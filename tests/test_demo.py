@@ -42,4 +42,18 @@ def test_cli_demo_and_info():
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert "recall accuracy" in r.stdout and "CPU (Numba)" in r.stdout
+
+
+def test_info_names_the_backends_and_why_there_is_no_gpu(capsys, monkeypatch):
+    import sdm_cupy
     assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"sdm-cupy {sdm_cupy.__version__}; numpy ")
+    if sdm_cupy.gpu_available():
+        assert "GPU backend: CuPy " in out
+    else:   # the reason, not a guess between two
+        assert "GPU backend: not available (CuPy " in out and "CPU backend: Numba" in out
+    monkeypatch.setitem(sys.modules, "cupy", None)   # as if CuPy were not installed
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU backend: not available (CuPy is not installed: pip install" in out
