@@ -31,7 +31,7 @@ def main(argv=None) -> int:
         import numba
         import numpy as np
 
-        from . import __version__, gpu_available
+        from . import __version__, _why_no_gpu, gpu_available
         print(f"sdm-cupy {__version__}; numpy {np.__version__}; numba {numba.__version__}")
         if gpu_available():
             import cupy
@@ -45,18 +45,3 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def _why_no_gpu() -> str:
-    """Why gpu_available() is False, in words a user can act on."""
-    try:
-        import cupy
-    except ImportError:
-        return "CuPy is not installed: pip install -e '.[cuda13]' (or cuda12)"
-    except Exception as e:  # noqa: BLE001 - a broken install says what broke
-        return f"CuPy does not import: {type(e).__name__}: {e}"
-    try:
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:  # noqa: BLE001 - no driver, or a driver too old for this CuPy
-        return f"CuPy {cupy.__version__} finds no CUDA driver or device: {type(e).__name__}: {e}"
-    return f"CuPy {cupy.__version__} sees {n} CUDA devices"

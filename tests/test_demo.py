@@ -57,3 +57,10 @@ def test_info_names_the_backends_and_why_there_is_no_gpu(capsys, monkeypatch):
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out
     assert "GPU backend: not available (CuPy is not installed: pip install" in out
+
+
+def test_demo_on_gpu_without_one_says_why(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)   # as if CuPy were not installed
+    with pytest.raises(SystemExit, match="--device gpu asked for, but the GPU backend is not "
+                                         "available: CuPy is not installed"):
+        demo.run(B=1, N=16, S=256, P=1, hd=8, W=2, rounds=1, device="gpu", out=lambda s: None)
