@@ -2,7 +2,8 @@
 
     python3 benchmarks/runner_overhead.py            # CPU: the host capture stand-in
     python3 benchmarks/runner_overhead.py --gpu      # CuPy arrays, real CUDA graphs
-    python3 benchmarks/runner_overhead.py --profile  # cProfile of each case (--only forward: the decode replay alone)
+    python3 benchmarks/runner_overhead.py --profile  # cProfile of each case
+                                                     # (--only forward: the decode replay)
     python3 benchmarks/runner_overhead.py --compare /tmp/old/graphs   # A/B, one process
 
 Cases (both through ``GraphRunner.forward``, after the capture):

@@ -3,10 +3,11 @@
 Each mutant is a copy of kernels/ with one barrier (`__syncthreads();`) or one cp.async wait
 (`cp_wait<K>();`) removed; a set of the emulated tests runs against it in a child process
 (SDM_EMU_KERNELS points the emulator at the copy). A mutant is killed when a test fails, the
-emulator refuses the launch, the kernel never ends, or (unless --no-racecheck) ThreadSanitizer finds
-an unordered pair of accesses that is not a known harmless race. Lines inside `#ifdef SDM_...`
-blocks (benchmark-only variants) are skipped. Some removals are harmless by design (a barrier that only orders
-reads after reads, say): a surviving mutant is a question to look at, not always a gap.
+emulator refuses the launch, the kernel never ends, or (unless --no-racecheck) ThreadSanitizer
+finds an unordered pair of accesses that is not a known harmless race. Lines inside `#ifdef
+SDM_...` blocks (benchmark-only variants) are skipped. Some removals are harmless by design (a
+barrier that only orders reads after reads, say): a surviving mutant is a question to look at,
+not always a gap.
 
     python tests/emu/mutants.py [--only fwd,bwd,prepass] [--limit N] [--skip N] [--timeout S]
                                 [--no-racecheck]
