@@ -102,7 +102,7 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
                V* __restrict__ out, typename Snap<T, Q>::type* __restrict__ snap,
                float* __restrict__ scale,
                int T_, int P, int hd, int W, long long S, int C, int Nt, int TW, int ntile,
-               int save, int vecmask, int keep, int CS, int fuse, int* err,
+               int save, int vecmask, int keep, int CS, int fuse, int CB, int* err,
                unsigned mW, unsigned mNPC, unsigned mNPC_last) {
   typedef typename Snap<T, Q>::type ST;
   const int tile = blockIdx.x % ntile, bp = blockIdx.x / ntile, p = bp % P, b = bp / P;
@@ -644,6 +644,51 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
         for (int i = 0; i < N; ++i) r[i] = fma_(h, U_s[tau * TWP + cc + i], r[i]);
       }
       store_piece<N>(out + ((long long)b * T_ + t0 + t) * D + p * hd + c0 + cc, r, nv, vo);
+    }
+    // CB > 0 (exact snapshots for a backward that walks 2^CB-token sub-chunks of this chunk): a
+    // write entry whose slot was written in an earlier sub-chunk gets, as its snapshot, the row
+    // as it was at its sub-chunk's start (rounded to the bank dtype, as a store would round
+    // it), where the gather saved M0. A run lists its entries in ascending order, so that row
+    // is M0 plus the run's prefix, summed in the scatter's order; one pass over the runs of
+    // two or more entries (rare), before the scatter changes any row.
+    if constexpr (Q == 0) {
+      if (CB > 0 && save) {
+#pragma unroll 1
+        for (int task = threadIdx.x; task < Ne * NPC; task += blockDim.x) {
+          const int e = divNPC.div(task), wr = g.wrun[e];
+          if ((wr & (W_HEAD | W_BAD)) != W_HEAD || (wr & W_NEXT) == 0) continue;
+          // the staged instance (FIX) runs whole aligned pieces and kept rows only
+          const int cc = (task - e * NPC) * N, nv = FIX ? N : min(N, tw - cc), hs = divW.div(e) >> CB;
+          const bool vec = FIX || vs;
+          T raw[N];
+          if (FIX || keep) load_raw<N>(raw, keep_s + (long long)e * TWP + cc, N, true);
+          else load_raw<N>(raw, bank_b + (long long)g.wid[e] * D + cc, nv, vb);
+          A m[N];
+#pragma unroll
+          for (int i = 0; i < N; ++i) m[i] = to_acc(raw[i], A());
+          int cs = hs;
+          long long sb = 0;   // the snapshot piece of the run's first entry in sub-chunk cs
+#pragma unroll 1
+          for (int q = e;;) {
+            const int t2 = divW.div(q), s2 = t2 >> CB;
+            const long long so = ((tokb + (long long)t2 * P) * W + (q - t2 * W)) * hd + c0 + cc;
+            if (s2 != cs) {   // the first entry of a later sub-chunk: m is that sub-chunk's start
+              store_piece<N>(snap + so, m, nv, vec);
+              cs = s2;
+              sb = so;
+            } else if (s2 != hs) {   // the same start again
+              load_raw<N>(raw, snap + sb, nv, vec);
+              store_raw<N>(snap + so, raw, nv, vec);
+            }
+            const A a2 = g.aw[q];
+#pragma unroll
+            for (int i = 0; i < N; ++i) m[i] = fma_(a2, U_s[t2 * TWP + cc + i], m[i]);
+            const int nx = g.wrun[q] & W_NEXT;
+            if (nx == 0) break;
+            q = nx - 1;
+          }
+        }
+      }
     }
     // scatter: the entry heading each written slot rewrites the row once, adding its run's
     // a u in ascending entry order. With kept rows a task reads shared memory only; without,

@@ -34,15 +34,17 @@ def _per_chunk(lay, pl):
 def test_headline_backward_is_one_wave_with_bounded_scratch():
     lay = _layout()
     pl = gpu.plan(lay, _cfg(lay), limits=H200, backward=True)
-    assert (pl.C, pl.TW, pl.ntile) == (64, 32, 4)
+    assert (pl.C, pl.TW, pl.ntile) == (32, 32, 4) and pl.smem_bwd_dm > 0   # its dM stage
     assert gpu.backward_plan(lay, _cfg(lay), limits=H200) == pl
+    saving = gpu.plan(lay, _cfg(lay), limits=H200, saves=True)
+    assert (saving.C, saving.sub) == (64, 32)   # snapshots for the backward's sub-chunks
     assert lay.B * lay.P * pl.ntile <= H200[0]            # one block per multiprocessor
     assert pl.smem_bwd <= H200[1]
     assert 1 <= pl.seg <= pl.Nt
     assert lay.B * lay.P * pl.seg * _per_chunk(lay, pl) <= gpu.BWD_SCRATCH
     fwd = gpu.plan(lay, _cfg(lay), limits=H200)
     assert (fwd.TW, fwd.ntile) == (32, 4) and fwd.CS == gpu._r16(64 * 64)   # read rows staged
-    assert pl.CS == gpu._r16(2 * 64 * 64)   # the backward's CSR holds four triangles
+    assert pl.CS == gpu._r16(2 * 32 * 32)   # the backward's CSR holds four triangles
 
 
 def test_backward_stages_snapshots_only_where_they_fit(monkeypatch):
@@ -51,6 +53,7 @@ def test_backward_stages_snapshots_only_where_they_fit(monkeypatch):
     chunk: the backward halves its chunk to 32, where they do, unless its snapshots are
     quantized (nothing to stage) or gpu.STAGE_MIN_CHUNK forbids the shorter chunk. With two
     256-thread blocks per multiprocessor the stage must not cost one of them."""
+    monkeypatch.setattr(gpu, "BWD_DM_STAGE", False)
     lay = _layout()
     pl = gpu.plan(lay, _cfg(lay), limits=H200, backward=True)
     assert pl.C == 64
@@ -71,6 +74,7 @@ def test_chunk_halves_for_a_stage_that_fits(monkeypatch):
     backward (exact snapshots) halve their chunk until it does, down to gpu.STAGE_MIN_CHUNK:
     W = 32 stages at C = 32, W = 48 at C = 16; below the minimum, or under a chunk bound
     (FWD_CHUNK, BWD_CHUNK), nothing halves and the register form runs."""
+    monkeypatch.setattr(gpu, "BWD_DM_STAGE", False)
     for W, C in ((24, 32), (32, 32), (48, 16), (64, 16)):
         lay = _layout(W=W)
         fwd = gpu.plan(lay, _cfg(lay), limits=H200)
@@ -125,8 +129,8 @@ def test_backward_walks_the_saving_forwards_chunks(monkeypatch, dtype, mode):
                 continue   # a quantized row wider than shared memory: refused before any run
             bwd = gpu.backward_plan(lay, cfg, limits=H200)
             free = gpu.plan(lay, cfg, limits=H200, backward=True, exact_snapshots=mode is None)
-            assert bwd.C == fwd.C <= free.C, (knobs, kw)
-            assert bwd.Nt == fwd.Nt, (knobs, kw)
+            assert bwd.C == (fwd.sub or fwd.C) <= free.C, (knobs, kw)
+            assert fwd.C % bwd.C == 0 and (fwd.sub == 0 or mode is None), (knobs, kw)
             assert max(bwd.smem_bwd, bwd.smem_bwd_snap) <= H200[1], (knobs, kw)
         monkeypatch.undo()
 
@@ -182,10 +186,10 @@ def test_forward_chunk_bound_applies_to_the_forward_only(monkeypatch, bound):
     bwd = gpu.plan(lay, _cfg(lay), limits=H200, backward=True)
     assert fwd.C == (64 if bound is None else bound)
     assert fwd.Nt == -(-lay.T // fwd.C)
-    assert bwd.C == 64   # its own choice
-    # a forward that saves snapshots and the backward that consumes them walk the same chunks
+    assert bwd.C == 32   # its own choice (its dM stage)
     saving = gpu.plan(lay, _cfg(lay), limits=H200, saves=True)
-    assert saving.C == fwd.C == gpu.backward_plan(lay, _cfg(lay), limits=H200).C
+    assert saving.C == fwd.C
+    assert (saving.sub or saving.C) == gpu.backward_plan(lay, _cfg(lay), limits=H200).C
     assert gpu.settings()[-1] == bound   # FWD_CHUNK stays the last knob
 
 
