@@ -370,7 +370,8 @@ def _plan(lay: Layout, quant, limits, backward, cmax=None, exact_snapshots=True,
             return alt
     if (backward and bwd_snap and not bwd_dm and BWD_DM_STAGE and SUB_SNAPSHOTS
             and exact_snapshots and BWD_CHUNK is None and chunk is None
-            and C // 2 >= STAGE_MIN_CHUNK):
+            and C // 2 >= STAGE_MIN_CHUNK and C & (C - 1) == 0):
+        # (a power of two, so that the saving forward keeps its chunk: Plan.sub)
         # the same for the dM stage (the saving forward keeps its chunk: sub-chunk snapshots)
         alt = _plan(lay, quant, limits, backward, cmax=C // 2, exact_snapshots=exact_snapshots)
         if alt.smem_bwd_dm:

@@ -130,6 +130,7 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
   const bool rstage = RS && rowcp;
 #ifdef SDM_FWD_CLUSTER
   constexpr int CL = SDM_FWD_CLUSTER;
+  if (CB > 0) __trap();   // its kept rows are whole rows: the sub-chunk pass reads tiles
   if (!(rowcp && !fuse && ntile == CL && TW * CL == hd && C % CL == 0 &&
         (int)cluster_rank() == tile))
     __trap();
@@ -650,7 +651,9 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
     // as it was at its sub-chunk's start (rounded to the bank dtype, as a store would round
     // it), where the gather saved M0. A run lists its entries in ascending order, so that row
     // is M0 plus the run's prefix, summed in the scatter's order; one pass over the runs of
-    // two or more entries (rare), before the scatter changes any row.
+    // two or more entries (rare), before the scatter changes any row: without kept rows the
+    // row is read from the bank, which only the scatter task of the same (entry, piece)
+    // rewrites, and the scatter gives that task to this same thread, later in program order.
     if constexpr (Q == 0) {
       if (CB > 0 && save) {
 #pragma unroll 1

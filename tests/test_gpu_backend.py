@@ -416,25 +416,44 @@ def test_backward_walks_the_forwards_chunks_match_reference(rng, dtype, B, P, W,
         assert_close(got, want, tol, f"grad {name}")
 
 
-@pytest.mark.parametrize("dtype", [np.float64, np.float32, BF16], ids=["f64", "f32", "bf16"])
-@pytest.mark.parametrize("sub", [8, 16, 32])
-def test_sub_chunk_snapshots_match_reference(rng, monkeypatch, dtype, sub):
-    """gpu.SUB_SNAPSHOTS: a forward at 64-token chunks saves exact snapshots for a backward
-    that walks `sub`-token chunks (gpu.BWD_CHUNK bounds it here): a write entry whose slot was
-    written in an earlier sub-chunk gets the row as it was at its sub-chunk's start. With many
-    repeated slots (S = 24, W = 4) and a partial last chunk (T = 70): every output against the
-    float64 reference, the bank rewound bitwise, and the snapshots equal (float64 to 1e-12,
-    else to the bank dtype's rounding) to those of a forward that runs `sub`-token chunks."""
+SUB_CASES = [(np.float64, 8, "staged"), (np.float64, 16, "reread"), (np.float32, 8, "kept"),
+             (np.float32, 16, "staged"), (np.float32, 32, "reread"), (BF16, 16, "staged"),
+             (BF16, 32, "kept"), (BF16, 16, "hd36")]
+
+
+@pytest.mark.parametrize("dtype, sub, path", SUB_CASES,
+                         ids=[f"{np.dtype(d).name}-sub{s}-{p}" for d, s, p in SUB_CASES])
+def test_sub_chunk_snapshots_match_reference(rng, monkeypatch, dtype, sub, path):
+    """gpu.SUB_SNAPSHOTS: a forward at its longest chunk (64 tokens, 32 for float64) saves
+    exact snapshots for a backward that walks `sub`-token chunks (gpu.BWD_CHUNK bounds it
+    here): a write entry whose slot was written in an earlier sub-chunk gets the row as it was
+    at its sub-chunk's start. The forward's paths: read rows staged (the fast-path instance),
+    kept rows without the stage, rows re-read from the bank, and a tile that is not whole
+    pieces (hd = 36). With many repeated slots (S = 24, W = 4) and a last chunk of 40 tokens
+    (T = 104, sub-chunk starts inside it): every output against the float64 reference, the bank
+    rewound bitwise, and the snapshots equal (float64 to 1e-12, else to the bank dtype's
+    rounding) to those of a forward that runs `sub`-token chunks, and not to those of a
+    forward at the long chunk without them."""
     from sdm_cupy.kernels import gpu
-    pb = make_problem(rng, B=2, T=70, P=2, hd=32, S=24, W=4, dtype=dtype)
+    pb = make_problem(rng, B=2, T=104, P=2, hd=36 if path == "hd36" else 32, S=24, W=4,
+                      dtype=dtype)
     cfg = _cfg(pb, 64)
     dr = rng.normal(size=pb.values.shape).astype(dtype)
     dM = rng.normal(size=pb.bank.shape).astype(np.float64 if dtype == np.float64 else np.float32)
     x = pb.to(cp)
     lay = sdm._validate.layout(x.bank, *x.inputs, cfg)
+    if path in ("kept", "reread"):
+        monkeypatch.setattr(gpu, "STAGE_READS", False)
+    if path == "reread":
+        monkeypatch.setattr(gpu, "KEEP_ROWS", False)
+    Cf = 32 if np.dtype(dtype) == np.float64 else 64
     monkeypatch.setattr(gpu, "BWD_CHUNK", sub)
     saving, bwd = gpu.plan(lay, cfg, saves=True), gpu.backward_plan(lay, cfg)
-    assert (saving.C, saving.sub, bwd.C) == (64, sub, sub)
+    assert (saving.C, saving.sub, bwd.C) == (Cf, sub, sub)
+    if path == "staged":
+        assert saving.rstage
+    elif path in ("kept", "reread"):
+        assert not saving.rstage and saving.keep == (path == "kept")
     res = sdm.forward(x.bank, *x.inputs, cfg)
     snaps = to_numpy(res.saved.snapshots[0]).astype(np.float64)
     r, fin = to_numpy(res.readings), to_numpy(res.bank)
@@ -458,7 +477,7 @@ def test_sub_chunk_snapshots_match_reference(rng, monkeypatch, dtype, sub):
     monkeypatch.setattr(gpu, "BWD_CHUNK", None)
     monkeypatch.setattr(gpu, "SUB_SNAPSHOTS", False)
     y = pb.to(cp)
-    assert gpu.plan(lay, cfg, saves=True).sub == 0
+    assert gpu.plan(lay, cfg, saves=True).sub == 0 and gpu.plan(lay, cfg, saves=True).C == Cf
     plain = to_numpy(sdm.forward(y.bank, *y.inputs, cfg).saved.snapshots[0]).astype(np.float64)
     scale = np.abs(want).max()
     rel = {np.dtype(np.float64): 1e-12, np.dtype(np.float32): 1e-5}.get(np.dtype(dtype), 2 ** -6)

@@ -273,7 +273,7 @@ def test_forward_read_stage_only_where_it_widens_the_tile_or_runs_one_wave():
 KNOBS = {"STAGE_READS": False, "STAGE_THREADS": 256, "THREADS": 512, "BWD_THREADS": 256, "TILE_WIDTH": 32, "BWD_TILE_WIDTH": 64,
          "BWD_SCRATCH": 10 ** 7, "FWD_CHUNK": 16, "BWD_CHUNK": 16, "STAGE_MIN_CHUNK": 64,
          "KEEP_ROWS": False, "KEEP_SMEM": 64 * 1024, "MAX_ENTRIES": 512, "E_STAGE": 256,
-         "BE_STAGE": 512}
+         "BE_STAGE": 512, "SUB_SNAPSHOTS": False, "BWD_DM_STAGE": False}
 KNOB_LAYOUT = {"STAGE_MIN_CHUNK": dict(W=32)}   # a layout whose plan the knob changes
 
 
