@@ -570,7 +570,7 @@ def sdm_bwd(lay: Layout, config, bank, inputs, snapshots, dr, dM):
     key = (lay.bank_dtype, vk, lay.index_dtype)
     pkey = (acc, lay.index_dtype)
     pre_name = K.prepass_name(acc, lay.index_dtype, 2)
-    bwd_name = K.bwd_name(lay.bank_dtype, vk, gt, lay.index_dtype, q)
+    bwd_name = K.bwd_name(lay.bank_dtype, vk, gt, lay.index_dtype, q, int(dmst))
     for hi in range(pl.Nt, 0, -pl.seg):   # ranges of chunks, the last first
         lo = max(0, hi - pl.seg)
         _launch("prepass", pkey, pre_name, lay.B * lay.P * (hi - lo), pl.smem_pre,

@@ -187,7 +187,10 @@ struct BwdStage {
 // profile found a spilled multiplier reloaded (LDL) before each use in the second round, 6.5%
 // of the stall samples; as parameters they come from the constant bank (NVRTC, headline
 // instance: spills 32/36 -> 8/24 bytes; H200: forward+backward -3.1%, stop 15).
-template <typename T, typename V, typename A, typename Gt, typename I, int Q, int N>
+// DS = 1 instances (exact snapshots only) add the dM stage (ssnap == 2); DS = 0 instances
+// compile without it, so that its code does not change theirs (stop 21 measured the other
+// paths 1.5-9.5% slower with it compiled in, on the same plans)
+template <typename T, typename V, typename A, typename Gt, typename I, int Q, int N, int DS = 0>
 __global__ void __launch_bounds__(512)
 sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restrict__ aw,
                const V* __restrict__ vals, const A* __restrict__ beta,
@@ -249,7 +252,7 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
   // (sm_80+: cp.async reads through L2, where the scatter's atomics update dM; a plain load
   // could find a stale L1 line)
 #if __CUDA_ARCH__ >= 800
-  constexpr bool DM16 = (sizeof(Gt) * N) % 16 == 0;
+  constexpr bool DM16 = DS != 0 && Q == 0 && (sizeof(Gt) * N) % 16 == 0;
 #else
   constexpr bool DM16 = false;
 #endif
