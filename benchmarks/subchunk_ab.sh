@@ -2,9 +2,11 @@
 # Branch wip/subchunk-snapshots, one device call (about 450 s with a cold lease):
 #   1. the GPU suite;
 #   2. interleaved A/B, forward+backward (fwd_ab.py), at plans equal to main's
-#      (SUB_SNAPSHOTS=0, BWD_DM_STAGE=0): stop 20's sdm_bwd.cu (main's) against this branch's
-#      (the dM stage compiled in) -- the code-size question of RESULTS stop 21 item 1; then the
-#      branch's defaults (sub-chunk snapshots + the dM stage at the backward's halved chunk);
+#      (SUB_SNAPSHOTS=0, BWD_DM_STAGE=0): main's sdm_bwd.cu against this branch's, whose DS = 0
+#      instances are main's machine code byte for byte (a control: equal times expected); then
+#      the branch's defaults (sub-chunk snapshots + the dM stage at the backward's halved chunk);
+#      then the forward alone: the sub-chunk pass's cost, and the forward's code (main's source
+#      with the CB argument against the branch's);
 #   3. the full sweep (bench_gpu.py) with the branch's defaults.
 # Run from the repository root on the device: bash benchmarks/subchunk_ab.sh
 set -u
