@@ -54,7 +54,10 @@ def test_every_instance_is_listed():
     staged = [n for n in specs["fwd"][2] if n.endswith(",1>")]
     assert len(specs["fwd"][2]) - len(staged) == 60 and len(staged) == 24
     assert all(n.split(",")[4] in ("0", "1") for n in staged)   # Q <= 1
-    assert len(specs["bwd"][2]) == 84
+    # the backward's modes per grad dtype, and its dM stage (DS = 1) for exact snapshots
+    dms = [n for n in specs["bwd"][2] if n.endswith(",1>")]
+    assert len(specs["bwd"][2]) - len(dms) == 84 and len(dms) == 26
+    assert all(n.split(",")[5] == "0" for n in dms)   # Q == 0
     assert len(specs["prepass"][2]) == 8   # the forward's and the backward's forms
 
 
