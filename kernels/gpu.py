@@ -38,6 +38,7 @@ import ctypes
 import dataclasses
 import functools
 import threading
+import weakref
 
 import numpy as np
 
@@ -382,6 +383,40 @@ def _plan(lay: Layout, quant, limits, backward, cmax=None, exact_snapshots=True,
                 smem_bwd_dm=bwd_dm)
 
 
+# ---- the chunks each forward saved its snapshots for -------------------------------------------
+_SAVED_CHUNKS: dict = {}   # id(snapshot rows) -> (weak reference to them, chunk)
+
+
+def _remember_chunk(snap, chunk: int) -> None:
+    """Records the chunk a forward saved ``snap`` for (dropped with the array)."""
+    key = id(snap)
+
+    def gone(ref, key=key):
+        e = _SAVED_CHUNKS.get(key)
+        if e is not None and e[0] is ref:
+            del _SAVED_CHUNKS[key]
+
+    _SAVED_CHUNKS[key] = (weakref.ref(snap, gone), int(chunk))
+
+
+def _check_chunk(snap, chunk: int) -> None:
+    """Refuses a backward whose chunk is not the one its snapshots were saved for (a knob of
+    this module changed in between); nothing has run yet."""
+    e = _SAVED_CHUNKS.get(id(snap))
+    if e is not None and e[0]() is snap and e[1] != chunk:
+        raise RuntimeError(
+            f"sdm_cupy.backward: the forward saved these snapshots for {e[1]}-token chunks, but "
+            f"the GPU settings now give the backward {chunk}-token chunks (a sdm_cupy.kernels.gpu "
+            "setting changed between the forward and its backward); restore it, or run the "
+            "forward again")
+
+
+def check_backward(lay: Layout, config, snapshots) -> None:
+    """Refusals of a backward before anything runs (the saved state stays unconsumed): its
+    chunks must be those the forward saved the snapshots for."""
+    _check_chunk(snapshots[0], backward_plan(lay, config).C)
+
+
 def check_config(lay: Layout, config) -> None:
     """Refusals of a call that saves snapshots (before anything runs)."""
     mode = config.snapshot_quant
@@ -499,6 +534,7 @@ def sdm_fwd(lay: Layout, config, bank, write_idx, write_w, values, beta, read_id
                                                        read_idx, read_w, beta)
     if save_snapshots:
         snap, scale = _snapshot_arrays(lay, mode)
+        _remember_chunk(snap, pl.sub or pl.C)
     else:  # never written (save=0); any typed array of the right dtype will do
         snap, scale = _snapshot_arrays(dataclasses.replace(lay, B=1, T=1, W=1, hd=1), mode)
     N = pl.N
@@ -544,6 +580,7 @@ def sdm_bwd(lay: Layout, config, bank, inputs, snapshots, dr, dM):
     mode = config.snapshot_quant
     # the forward's chunks; tiles freely (scales are stored); stages where they fit
     pl = backward_plan(lay, config)
+    _check_chunk(snapshots[0], pl.C)
     acc = K.compute_dtype(lay.bank_dtype, lay.value_dtype)
     vk = K.kernel_value_dtype(lay.bank_dtype, lay.value_dtype)
     v = values if values.dtype == vk else values.astype(vk)

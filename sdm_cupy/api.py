@@ -204,7 +204,8 @@ def backward(saved: SavedState, grad_readings, grad_bank=None) -> Gradients:
 
     Raises:
         TypeError / ValueError: gradients of the wrong array type, shape or dtype;
-        RuntimeError: the state was consumed already. Nothing is modified then.
+        RuntimeError: the state was consumed already, or (GPU) a setting of
+            ``sdm_cupy.kernels.gpu`` changed since the forward. Nothing is modified then.
     """
     if not isinstance(saved, SavedState):
         raise TypeError("saved must be the ForwardResult.saved of a forward with "
@@ -218,6 +219,9 @@ def backward(saved: SavedState, grad_readings, grad_bank=None) -> Gradients:
     V.check_grad("grad_bank", grad_bank, (lay.B * lay.S, lay.D), "[B*S, D]", xp)
     if saved.consumed:
         saved._take()  # raises
+    check = getattr(saved.backend, "check_backward", None)
+    if check is not None:   # backend refusals, before the state is consumed
+        check(lay, saved.config, saved._snapshots)
     dr = _contiguous(xp, grad_readings, lay.value_dtype)
     dM = None
     if grad_bank is not None:

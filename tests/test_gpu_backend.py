@@ -485,6 +485,31 @@ def test_sub_chunk_snapshots_match_reference(rng, monkeypatch, dtype, sub, path)
     assert (np.abs(plain - want) > 4 * rel * scale).any()
 
 
+def test_backward_refuses_a_knob_changed_since_its_forward(rng, monkeypatch):
+    """A gpu knob that changes the backward's chunk between a forward and its backward
+    (gpu.BWD_CHUNK here) gets a clear error before anything runs: the bank is not rewound and
+    the saved state can still be used once the knob is back, with every output against the
+    float64 reference."""
+    from sdm_cupy.kernels import gpu
+    pb = make_problem(rng, B=2, T=70, P=2, hd=16, S=24, W=4)
+    cfg = _cfg(pb, 64)
+    dr = rng.normal(size=pb.values.shape)
+    x = pb.to(cp)
+    res = sdm.forward(x.bank, *x.inputs, cfg)
+    final = to_numpy(res.bank).copy()
+    monkeypatch.setattr(gpu, "BWD_CHUNK", 8)
+    with pytest.raises(RuntimeError, match="saved these snapshots for 32-token chunks.*8-token"):
+        sdm.backward(res.saved, cp.asarray(dr))
+    assert np.array_equal(to_numpy(res.bank), final)   # nothing ran
+    assert not res.saved.consumed
+    monkeypatch.setattr(gpu, "BWD_CHUNK", None)
+    g = sdm.backward(res.saved, cp.asarray(dr))
+    assert np.array_equal(to_numpy(res.bank), pb.bank)   # rewound
+    for name, got, want in zip(GRADS, (to_numpy(getattr(g, n)) for n in GRADS),
+                               reference_bwd(pb, dr)):
+        assert_close(got, want, 1e-9, f"grad {name}")
+
+
 @pytest.mark.parametrize("W", [3, 40, 64, 80], ids=lambda w: f"W{w}")
 def test_one_token_chunks_match_reference(rng, W):
     """C = 1 (decoding): up to W = 64 the forward finds a token's overlaps itself (W > 32 puts

@@ -304,3 +304,22 @@ def test_a_refused_plan_is_not_remembered(monkeypatch):
         with pytest.raises(sdm.UnsupportedConfigurationError, match="W <= 64"):
             gpu.plan(lay, _cfg(lay), limits=H200)
     assert len(gpu._PLANS) == n
+
+
+def test_a_backward_refuses_snapshots_saved_for_other_chunks():
+    """gpu._remember_chunk / _check_chunk: the chunk a forward saved its snapshot rows for is
+    remembered with them (dropped with the array); a backward that would walk other chunks (a
+    knob changed in between) is refused with an error that names the two chunks."""
+    import gc
+    rows = np.zeros((2, 3))
+    gpu._remember_chunk(rows, 64)
+    gpu._check_chunk(rows, 64)                       # the same chunks: nothing to say
+    with pytest.raises(RuntimeError, match="saved these snapshots for 64-token chunks.*32-token"):
+        gpu._check_chunk(rows, 32)
+    gpu._check_chunk(np.zeros((2, 3)), 32)           # arrays it never saw: not its business
+    gpu._remember_chunk(rows, 32)                    # a later forward into the same rows
+    gpu._check_chunk(rows, 32)
+    key = id(rows)
+    del rows
+    gc.collect()
+    assert key not in gpu._SAVED_CHUNKS
