@@ -19,7 +19,10 @@ CuPy's memory pool. Grid sizes are checked against the device limits before any 
 Safety: ids outside [0, S) are skipped by every kernel (they never address memory) and
 recorded in one host-mapped int; ``check_device_errors()`` synchronises and reports it.
 
-Process-wide settings the kernels read (a graph runner keys on ``settings()``):
+Process-wide settings the kernels read (a graph runner keys on ``settings()``). They may change
+between a forward and its backward: the snapshots carry the forward's chunk
+(``SavedSnapshots``), and the backward walks those chunks with its own tiles; where it cannot
+(a setting leaves it too little shared memory), ``check_backward`` refuses before anything runs:
 ``TILE_WIDTH`` (None: automatic) forces the width of the column tiles, ``THREADS`` the block size,
 ``KEEP_ROWS`` (None: automatic) whether the forward keeps its gathered rows in shared memory,
 ``FUSE_THREADS`` (None: automatic) the block size of one-token (decoding) forwards,
@@ -38,7 +41,6 @@ import ctypes
 import dataclasses
 import functools
 import threading
-import weakref
 
 import numpy as np
 
@@ -46,8 +48,9 @@ from .._validate import Layout
 from ..config import UnsupportedConfigurationError
 from . import _build as K
 
-__all__ = ["check_config", "sdm_fwd", "sdm_bwd", "expand_memory_batch", "sum_memory_batch",
-           "check_device_errors", "settings", "plan"]
+__all__ = ["check_config", "check_backward", "sdm_fwd", "sdm_bwd", "expand_memory_batch",
+           "sum_memory_batch", "check_device_errors", "settings", "plan", "backward_plan",
+           "SavedSnapshots"]
 
 THREADS = 256               # threads per block (a multiple of 32, at most 512)
 PREPASS_THREADS = 512       # threads per pre-pass block (independent chunks: no order to keep)
@@ -94,6 +97,12 @@ def settings() -> tuple:
     return (TILE_WIDTH, THREADS, KEEP_ROWS, PREPASS_THREADS, BWD_THREADS, FUSE_THREADS,
             BWD_TILE_WIDTH, BWD_SCRATCH, STAGE_READS, STAGE_THREADS, STAGE_MIN_CHUNK, BWD_CHUNK,
             BWD_DM_STAGE, SUB_SNAPSHOTS, FWD_CHUNK)
+
+
+_SETTING_NAMES = ("TILE_WIDTH", "THREADS", "KEEP_ROWS", "PREPASS_THREADS", "BWD_THREADS",
+                  "FUSE_THREADS", "BWD_TILE_WIDTH", "BWD_SCRATCH", "STAGE_READS", "STAGE_THREADS",
+                  "STAGE_MIN_CHUNK", "BWD_CHUNK", "BWD_DM_STAGE", "SUB_SNAPSHOTS", "FWD_CHUNK")
+_DEFAULTS = dict(zip(_SETTING_NAMES, settings()))
 
 
 # ---- the device error word ------------------------------------------------------------------
@@ -267,14 +276,53 @@ def plan(lay: Layout, config, *, quant=None, limits=None, backward=False,
     return pl
 
 
-def backward_plan(lay: Layout, config, *, limits=None) -> Plan:
-    """The backward's plan: the chunk of the forward that saved its snapshots (same layout,
-    config and knobs), the backward's own tiles and stages."""
+def backward_plan(lay: Layout, config, *, limits=None, chunk=None) -> Plan:
+    """The backward's plan: the chunk of the forward that saved its snapshots, the backward's
+    own tiles and stages. ``chunk``: that forward's chunk, as its snapshots carry it
+    (``SavedSnapshots.chunk``); None recomputes it from the layout, config and current knobs.
+
+    Raises:
+        RuntimeError: the backward cannot run that chunk with the current knobs (a setting of
+            this module changed since the forward made its snapshots).
+    """
     mode = config.snapshot_quant
-    fwd = plan(lay, config, quant=mode, limits=limits, saves=True)
-    C = fwd.sub or fwd.C
-    return plan(lay, config, limits=limits, backward=True, exact_snapshots=mode is None,
-                chunk=C)
+    if chunk is None:   # a sub-chunk where the forward saved its snapshots for those
+        fwd = plan(lay, config, quant=mode, limits=limits, saves=True)
+        chunk = fwd.sub or fwd.C
+    try:
+        return plan(lay, config, limits=limits, backward=True, exact_snapshots=mode is None,
+                    chunk=int(chunk))
+    except (RuntimeError, UnsupportedConfigurationError):
+        changed = ", ".join(f"{k}={v!r}" for k, v in zip(_SETTING_NAMES, settings())
+                            if v != _DEFAULTS[k]) or "none"
+        raise RuntimeError(
+            f"sdm_cupy.backward: the snapshots were saved by a forward that ran {int(chunk)}-token "
+            f"chunks, and the backward must walk the same chunks, but with the current settings "
+            f"of sdm_cupy.kernels.gpu (changed from their defaults: {changed}) its shared memory "
+            f"at that chunk is more than this device has. Restore the settings the forward ran "
+            f"with, or run the forward again") from None
+
+
+class SavedSnapshots(tuple):
+    """The forward's snapshot arrays ``(rows, scales or None)``, a plain tuple to every reader,
+    plus ``chunk``: the chunk the forward ran, whose starts the rows hold. The backward walks
+    these chunks whatever the module's knobs are by then."""
+
+    chunk: int
+
+    def __new__(cls, arrays, chunk: int):
+        self = super().__new__(cls, arrays)
+        self.chunk = int(chunk)
+        return self
+
+    def __reduce__(self):
+        return (SavedSnapshots, (tuple(self), self.chunk))
+
+
+def check_backward(lay: Layout, config, snapshots) -> None:
+    """Refusals of a backward, before the saved state is consumed: its chunks (those its
+    snapshots were saved for) must still fit the backward (RuntimeError otherwise)."""
+    backward_plan(lay, config, chunk=getattr(snapshots, "chunk", None))
 
 
 def _plan(lay: Layout, quant, limits, backward, cmax=None, exact_snapshots=True,
@@ -293,7 +341,7 @@ def _plan(lay: Layout, quant, limits, backward, cmax=None, exact_snapshots=True,
         C = max(1, min(C, int(bound)))
     if cmax is not None:
         C = min(C, cmax)
-    if chunk is not None:   # the saving forward's chunk, which fits the backward by construction
+    if chunk is not None:   # the saving forward's chunk (backward_plan refuses if it no longer fits)
         C = chunk
     # the backward runs one wave: one block per multiprocessor at 512 threads, two at 256
     bwd_per_sm = 2 if (BWD_THREADS or THREADS) <= 256 else 1
@@ -381,40 +429,6 @@ def _plan(lay: Layout, quant, limits, backward, cmax=None, exact_snapshots=True,
                 smem_bwd=bwd, keep=keep, CS=_r16((2 if backward else 1) * C * C), seg=seg,
                 smem_bwd_snap=bwd_snap, rstage=rstage, fwd_threads=fwd_threads,
                 smem_bwd_dm=bwd_dm)
-
-
-# ---- the chunks each forward saved its snapshots for -------------------------------------------
-_SAVED_CHUNKS: dict = {}   # id(snapshot rows) -> (weak reference to them, chunk)
-
-
-def _remember_chunk(snap, chunk: int) -> None:
-    """Records the chunk a forward saved ``snap`` for (dropped with the array)."""
-    key = id(snap)
-
-    def gone(ref, key=key):
-        e = _SAVED_CHUNKS.get(key)
-        if e is not None and e[0] is ref:
-            del _SAVED_CHUNKS[key]
-
-    _SAVED_CHUNKS[key] = (weakref.ref(snap, gone), int(chunk))
-
-
-def _check_chunk(snap, chunk: int) -> None:
-    """Refuses a backward whose chunk is not the one its snapshots were saved for (a knob of
-    this module changed in between); nothing has run yet."""
-    e = _SAVED_CHUNKS.get(id(snap))
-    if e is not None and e[0]() is snap and e[1] != chunk:
-        raise RuntimeError(
-            f"sdm_cupy.backward: the forward saved these snapshots for {e[1]}-token chunks, but "
-            f"the GPU settings now give the backward {chunk}-token chunks (a sdm_cupy.kernels.gpu "
-            "setting changed between the forward and its backward); restore it, or run the "
-            "forward again")
-
-
-def check_backward(lay: Layout, config, snapshots) -> None:
-    """Refusals of a backward before anything runs (the saved state stays unconsumed): its
-    chunks must be those the forward saved the snapshots for."""
-    _check_chunk(snapshots[0], backward_plan(lay, config).C)
 
 
 def check_config(lay: Layout, config) -> None:
@@ -534,7 +548,6 @@ def sdm_fwd(lay: Layout, config, bank, write_idx, write_w, values, beta, read_id
                                                        read_idx, read_w, beta)
     if save_snapshots:
         snap, scale = _snapshot_arrays(lay, mode)
-        _remember_chunk(snap, pl.sub or pl.C)
     else:  # never written (save=0); any typed array of the right dtype will do
         snap, scale = _snapshot_arrays(dataclasses.replace(lay, B=1, T=1, W=1, hd=1), mode)
     N = pl.N
@@ -561,7 +574,7 @@ def sdm_fwd(lay: Layout, config, bank, write_idx, write_w, values, beta, read_id
              np.int32(pl.sub.bit_length() - 1 if pl.sub and save_snapshots and mode is None
                       else 0), _err_array()) + _div_params(lay, pl), threads)
     readings = out if vk == lay.value_dtype else out.astype(lay.value_dtype)
-    return readings, ((snap, scale) if save_snapshots else None)
+    return readings, (SavedSnapshots((snap, scale), pl.sub or pl.C) if save_snapshots else None)
 
 
 def _fuse_threads(npc: int, W: int) -> int:
@@ -578,9 +591,9 @@ def sdm_bwd(lay: Layout, config, bank, inputs, snapshots, dr, dM):
     import cupy
     write_idx, write_w, values, beta, read_idx, read_w = inputs
     mode = config.snapshot_quant
-    # the forward's chunks; tiles freely (scales are stored); stages where they fit
-    pl = backward_plan(lay, config)
-    _check_chunk(snapshots[0], pl.C)
+    # the chunks of the forward that saved the snapshots; tiles freely (scales are stored);
+    # stages where they fit
+    pl = backward_plan(lay, config, chunk=getattr(snapshots, "chunk", None))
     acc = K.compute_dtype(lay.bank_dtype, lay.value_dtype)
     vk = K.kernel_value_dtype(lay.bank_dtype, lay.value_dtype)
     v = values if values.dtype == vk else values.astype(vk)

@@ -205,7 +205,8 @@ def backward(saved: SavedState, grad_readings, grad_bank=None) -> Gradients:
     Raises:
         TypeError / ValueError: gradients of the wrong array type, shape or dtype;
         RuntimeError: the state was consumed already, or (GPU) a setting of
-            ``sdm_cupy.kernels.gpu`` changed since the forward. Nothing is modified then.
+            ``sdm_cupy.kernels.gpu`` changed since the forward so that the backward cannot walk
+            the forward's chunks. Nothing is modified then.
     """
     if not isinstance(saved, SavedState):
         raise TypeError("saved must be the ForwardResult.saved of a forward with "
@@ -220,7 +221,7 @@ def backward(saved: SavedState, grad_readings, grad_bank=None) -> Gradients:
     if saved.consumed:
         saved._take()  # raises
     check = getattr(saved.backend, "check_backward", None)
-    if check is not None:   # backend refusals, before the state is consumed
+    if check is not None:   # the backend's refusals, before the state is consumed
         check(lay, saved.config, saved._snapshots)
     dr = _contiguous(xp, grad_readings, lay.value_dtype)
     dM = None

@@ -486,29 +486,62 @@ def test_sub_chunk_snapshots_match_reference(rng, monkeypatch, dtype, sub, path)
     assert (np.abs(plain - want) > 4 * rel * scale).any()
 
 
-def test_backward_refuses_a_knob_changed_since_its_forward(rng, monkeypatch):
-    """A gpu knob that changes the backward's chunk between a forward and its backward
-    (gpu.BWD_CHUNK here) gets a clear error before anything runs: the bank is not rewound and
-    the saved state can still be used once the knob is back, with every output against the
-    float64 reference."""
+@pytest.mark.parametrize("fwd_chunk, bwd_chunk", [(16, None), (None, 16)])
+def test_knobs_changed_between_forward_and_backward_match_reference(rng, monkeypatch, fwd_chunk,
+                                                                     bwd_chunk):
+    """``gpu.FWD_CHUNK`` changed between a forward and its backward: the snapshots carry the
+    forward's chunk and the backward walks it, not the chunk the knobs give by then; every
+    output matches the float64 reference (repeated slots, S = 40; partial last chunk, T = 70)
+    and the bank rewinds exactly."""
     from sdm_cupy.kernels import gpu
-    pb = make_problem(rng, B=2, T=70, P=2, hd=16, S=24, W=4)
+    pb = make_problem(rng, B=2, T=70, P=2, hd=24, S=40, W=5)
     cfg = _cfg(pb, 64)
     dr = rng.normal(size=pb.values.shape)
+    dM = rng.normal(size=pb.bank.shape)
+    x = pb.to(cp)
+    monkeypatch.setattr(gpu, "FWD_CHUNK", fwd_chunk)
+    res = sdm.forward(x.bank, *x.inputs, cfg)
+    assert res.saved._snapshots.chunk == (fwd_chunk or 32)
+    monkeypatch.setattr(gpu, "FWD_CHUNK", bwd_chunk)
+    lay = sdm._validate.layout(x.bank, *x.inputs, cfg)
+    assert gpu.backward_plan(lay, cfg).C == (bwd_chunk or 32) != res.saved._snapshots.chunk
+    r, fin = to_numpy(res.readings), to_numpy(res.bank)
+    g = sdm.backward(res.saved, cp.asarray(dr), cp.asarray(dM))
+    assert np.array_equal(to_numpy(res.bank), pb.bank), "rewound bank"
+    _assert_float64_reference(pb, dr, dM, r, fin, tuple(to_numpy(getattr(g, n)) for n in GRADS))
+
+
+def test_backward_refused_for_a_chunk_it_no_longer_fits_then_runs(rng, monkeypatch):
+    """A backward tile set after the forward that leaves too little shared memory for the
+    forward's chunk: ``backward`` refuses with a clear RuntimeError before anything runs (the
+    final bank untouched, the state unconsumed); with the knob restored it runs and matches
+    the reference."""
+    from sdm_cupy.kernels import gpu
+    pb = make_problem(rng, B=1, T=40, P=1, hd=256, S=30, W=8, dtype=np.float32)
+    cfg = _cfg(pb, 64)
     x = pb.to(cp)
     res = sdm.forward(x.bank, *x.inputs, cfg)
-    final = to_numpy(res.bank).copy()
-    monkeypatch.setattr(gpu, "BWD_CHUNK", 8)
-    with pytest.raises(RuntimeError, match="saved these snapshots for 32-token chunks.*8-token"):
+    C = res.saved._snapshots.chunk
+    lay = sdm._validate.layout(x.bank, *x.inputs, cfg)
+    final = to_numpy(res.bank)
+    monkeypatch.setattr(gpu, "BWD_TILE_WIDTH", pb.hd)
+    try:
+        gpu.backward_plan(lay, cfg, chunk=C)
+    except RuntimeError:
+        pass
+    else:
+        pytest.skip(f"this device fits a whole-row backward tile at C = {C}")
+    dr = rng.normal(size=pb.values.shape).astype(np.float32)
+    with pytest.raises(RuntimeError, match=f"forward that ran {C}-token chunks"):
         sdm.backward(res.saved, cp.asarray(dr))
-    assert np.array_equal(to_numpy(res.bank), final)   # nothing ran
     assert not res.saved.consumed
-    monkeypatch.setattr(gpu, "BWD_CHUNK", None)
+    assert np.array_equal(to_numpy(res.bank), final)
+    monkeypatch.setattr(gpu, "BWD_TILE_WIDTH", None)
     g = sdm.backward(res.saved, cp.asarray(dr))
-    assert np.array_equal(to_numpy(res.bank), pb.bank)   # rewound
-    for name, got, want in zip(GRADS, (to_numpy(getattr(g, n)) for n in GRADS),
-                               reference_bwd(pb, dr)):
-        assert_close(got, want, 1e-9, f"grad {name}")
+    assert np.array_equal(to_numpy(res.bank), pb.bank), "rewound bank"
+    want = reference_bwd(pb, dr.astype(np.float64))
+    for name, want_x in zip(GRADS, want):
+        assert_close(to_numpy(getattr(g, name)), want_x, 1e-4, f"grad {name}")
 
 
 @pytest.mark.parametrize("W", [3, 40, 64, 80], ids=lambda w: f"W{w}")

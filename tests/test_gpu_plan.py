@@ -135,6 +135,66 @@ def test_backward_walks_the_saving_forwards_chunks(monkeypatch, dtype, mode):
         monkeypatch.undo()
 
 
+@pytest.mark.parametrize("fwd_knobs, bwd_knobs", [
+    ({"FWD_CHUNK": 16}, {}),                    # forward at 16; a recomputation would say 64
+    ({}, {"FWD_CHUNK": 16}),                    # forward at 64; a recomputation would say 16
+    ({"FWD_CHUNK": 8}, {"BWD_THREADS": 256}),     # two blocks per SM, their own chunk 32
+    ({"FWD_CHUNK": 16}, {"BWD_TILE_WIDTH": 8}),
+    ({}, {"SUB_SNAPSHOTS": False, "BWD_DM_STAGE": False}),   # saved for 32-token sub-chunks
+])
+def test_backward_walks_the_chunk_its_snapshots_carry(monkeypatch, fwd_knobs, bwd_knobs):
+    """Knobs may change between a forward and its backward: the backward's plan takes the chunk
+    the snapshots carry (the forward's), not one recomputed from the knobs of the moment, and
+    its tiles from those knobs; its shared memory fits."""
+    lay = _layout()
+    cfg = _cfg(lay)
+    for k, v in fwd_knobs.items():
+        monkeypatch.setattr(gpu, k, v)
+    fwd = gpu.plan(lay, cfg, limits=H200, saves=True)
+    C = fwd.sub or fwd.C   # what sdm_fwd's SavedSnapshots carry
+    monkeypatch.undo()
+    for k, v in bwd_knobs.items():
+        monkeypatch.setattr(gpu, k, v)
+    recomputed = gpu.backward_plan(lay, cfg, limits=H200)
+    assert recomputed.C != C                    # what walking the knobs' chunk would do wrong
+    bwd = gpu.backward_plan(lay, cfg, limits=H200, chunk=C)
+    assert bwd.C == C and bwd.Nt == -(-lay.T // C)
+    assert max(bwd.smem_bwd, bwd.smem_bwd_snap) <= H200[1]
+    if "BWD_TILE_WIDTH" in bwd_knobs:
+        assert bwd.TW == bwd_knobs["BWD_TILE_WIDTH"]
+
+
+def test_backward_refuses_a_chunk_it_can_no_longer_fit(monkeypatch):
+    """A knob changed after the forward can leave the backward too little shared memory for the
+    forward's chunk (here a whole-row backward tile for a 64-token forward): a clear
+    RuntimeError naming the chunk, not a backward that walks other chunks (wrong gradients)."""
+    lay = _layout()
+    cfg = _cfg(lay)
+    C = gpu.plan(lay, cfg, limits=H200, saves=True).C
+    assert C == 64
+    monkeypatch.setattr(gpu, "BWD_TILE_WIDTH", lay.hd)
+    assert gpu.backward_plan(lay, cfg, limits=H200).C < C     # its own plan would fit
+    with pytest.raises(RuntimeError, match=r"forward that ran 64-token chunks.*defaults: "
+                                           r"BWD_TILE_WIDTH=128\).*Restore the settings"):
+        gpu.backward_plan(lay, cfg, limits=H200, chunk=C)
+
+
+def test_saved_snapshots_read_as_a_tuple_and_carry_the_chunk():
+    """``SavedSnapshots`` unpacks, counts and iterates as the plain (rows, scales) tuple every
+    reader expects (SavedState.nbytes, the graph runner's leaves), and survives a pickle."""
+    import pickle
+
+    from sdm_cupy.graphs.capture import leaves
+    rows, scales = np.zeros((2, 3, 1, 4, 8), np.float32), None
+    snaps = gpu.SavedSnapshots((rows, scales), 32)
+    a, b = snaps
+    assert a is rows and b is None and len(snaps) == 2 and snaps == (rows, scales)
+    assert snaps.chunk == 32 and isinstance(snaps, tuple)
+    assert leaves(snaps) == [rows]
+    back = pickle.loads(pickle.dumps(snaps))
+    assert back.chunk == 32 and np.array_equal(back[0], rows) and back[1] is None
+
+
 def test_backward_snapshot_stage_keeps_two_blocks_per_sm(monkeypatch):
     monkeypatch.setattr(gpu, "BWD_THREADS", 256)
     lay = _layout()
@@ -304,22 +364,3 @@ def test_a_refused_plan_is_not_remembered(monkeypatch):
         with pytest.raises(sdm.UnsupportedConfigurationError, match="W <= 64"):
             gpu.plan(lay, _cfg(lay), limits=H200)
     assert len(gpu._PLANS) == n
-
-
-def test_a_backward_refuses_snapshots_saved_for_other_chunks():
-    """gpu._remember_chunk / _check_chunk: the chunk a forward saved its snapshot rows for is
-    remembered with them (dropped with the array); a backward that would walk other chunks (a
-    knob changed in between) is refused with an error that names the two chunks."""
-    import gc
-    rows = np.zeros((2, 3))
-    gpu._remember_chunk(rows, 64)
-    gpu._check_chunk(rows, 64)                       # the same chunks: nothing to say
-    with pytest.raises(RuntimeError, match="saved these snapshots for 64-token chunks.*32-token"):
-        gpu._check_chunk(rows, 32)
-    gpu._check_chunk(np.zeros((2, 3)), 32)           # arrays it never saw: not its business
-    gpu._remember_chunk(rows, 32)                    # a later forward into the same rows
-    gpu._check_chunk(rows, 32)
-    key = id(rows)
-    del rows
-    gc.collect()
-    assert key not in gpu._SAVED_CHUNKS

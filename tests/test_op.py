@@ -588,6 +588,40 @@ def test_second_backward_raises(xp, rng):
         assert_close(first[n], w, F64_RTOL, f"grad {n}")
 
 
+def test_backend_refusal_of_a_backward_leaves_the_state_unconsumed(rng):
+    """A backend's ``check_backward`` (GPU: the snapshots' chunk no longer fits the backward)
+    runs before the saved state is consumed: after its error, nothing is modified and the
+    same state still runs its backward."""
+    from sdm_cupy.kernels import cpu
+
+    class Refusing:
+        def __init__(self):
+            self.refuse = True
+
+        def __getattr__(self, name):
+            return getattr(cpu, name)
+
+        def check_backward(self, lay, config, snapshots):
+            assert snapshots is not None
+            if self.refuse:
+                raise RuntimeError("refused by the backend")
+
+    pb = make_problem(rng, B=2, T=9, P=2, hd=4, S=10, W=3)
+    cfg = sdm.SDMConfig(num_memory_slots=pb.S, num_parallel=pb.P, chunk_size=4)
+    res = sdm.forward(pb.bank, *pb.inputs, cfg)
+    final = res.bank.copy()
+    res.saved.backend = backend = Refusing()
+    dr = rng.normal(size=pb.values.shape)
+    with pytest.raises(RuntimeError, match="refused by the backend"):
+        sdm.backward(res.saved, dr)
+    assert not res.saved.consumed and np.array_equal(res.bank, final)
+    backend.refuse = False
+    g = sdm.backward(res.saved, dr)
+    assert res.saved.consumed and np.array_equal(res.bank, pb.bank)
+    want = reference_bwd(pb, dr, None)
+    assert_close(g.write_w, want[1], 1e-9, "grad write_w")
+
+
 @pytest.mark.parametrize("dtype", ["float64", "float32", "float16", "bfloat16"])
 def test_expand_and_sum_memory_batch(xp, rng, dtype):
     dt = BF16 if dtype == "bfloat16" else np.dtype(dtype)
