@@ -12,10 +12,13 @@ own and an access past its end is one the tool sees (memcheck also pads allocati
 to $OUT (``sanitize_<tool>.log``); a table of errors per tool and case comes last.
 
 The cases are small (microseconds each without the tool) and cover the launcher's paths: the
-forward's staged, kept and re-read rows, partial 16-byte pieces, one-token chunks with and
-without the pre-pass, the backward's snapshot stage, its 256-thread blocks and many ranges,
-quantized snapshots, a 16-bit grad bank, int64 ids, ids outside [0, S) with
-``check_indices=False``, and the batch kernels.
+forward's staged, kept and re-read rows, a last 16-byte piece only partly inside the row
+(hd = 34 in float32), forced narrow tiles, one-token chunks with and without the pre-pass, the
+backward with its exact snapshots staged and unstaged, its 256-thread blocks and one range per
+chunk, quantized snapshots, a 16-bit grad bank, int64 ids, ids outside [0, S) with
+``check_indices=False``, a one-wave bf16 shape at hd = 128, and the batch kernels. Reports
+are attributed to the case whose marker precedes them (each case ends with a device
+synchronisation); the tool's own error count is in the table beside them.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import os
 import glob
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -37,6 +41,9 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 TOOL_ARGS = {"memcheck": ["--padding", "256"], "racecheck": ["--racecheck-report", "all"],
              "synccheck": [], "initcheck": []}
+# kernel reports only: CUDA API calls that fail by design (CuPy probing at start-up) are not
+# what this run is for
+COMMON_ARGS = ["--print-limit", "1000", "--report-api-errors", "no"]
 
 # name: (make_problem arguments, SDMConfig arguments, gpu knobs, kind)
 BF16 = "bfloat16"
@@ -48,8 +55,9 @@ CASES = {
     "bf16-kept": (dict(SMALL, dtype=BF16), {}, {"STAGE_READS": False}, "fb"),
     "f32-reread": (dict(SMALL, dtype=np.float32), {},
                    {"STAGE_READS": False, "KEEP_ROWS": False}, "fb"),
-    "f32-hd36-tile8": (dict(SMALL, hd=36, dtype=np.float32), {}, {"TILE_WIDTH": 8,
-                                                                   "BWD_TILE_WIDTH": 8}, "fb"),
+    "f32-hd34": (dict(SMALL, hd=34, dtype=np.float32), {}, {}, "fb"),   # a 2-of-4 last piece
+    "bf16-hd36-tile16": (dict(SMALL, hd=36, dtype=BF16), {}, {"TILE_WIDTH": 16,
+                                                              "BWD_TILE_WIDTH": 16}, "fb"),
     "f16-W40-repeats": (dict(SMALL, W=40, hd=16, dtype="float16", repeat=True), {}, {}, "fb"),
     "decode-C1-W40": (dict(B=2, T=6, P=2, hd=24, S=20, W=40), {"chunk_size": 1}, {}, "fb"),
     "decode-C1-W80": (dict(B=2, T=6, P=2, hd=24, S=20, W=80), {"chunk_size": 1}, {}, "fb"),
@@ -57,6 +65,8 @@ CASES = {
     "quant-fp8": (dict(SMALL, dtype=BF16), {"snapshot_quant": "fp8_e4m3"}, {}, "fb-quant"),
     "quant-int8": (dict(SMALL, hd=20, dtype=BF16), {"snapshot_quant": "int8"}, {}, "fb-quant"),
     "bwd-256-threads": (dict(SMALL, dtype=np.float32), {}, {"BWD_THREADS": 256}, "fb"),
+    "bwd-unstaged": (dict(SMALL, dtype=np.float32), {}, {"BWD_THREADS": 256, "KEEP_SMEM": 1},
+                     "fb"),   # exact snapshots read from global memory, not staged
     "bwd-many-ranges": (dict(SMALL, dtype=np.float32), {"chunk_size": 8},
                         {"BWD_SCRATCH": 1}, "fb"),
     "grad-bank-bf16": (dict(SMALL, dtype=BF16), {"grad_bank_fp32": False}, {}, "fb"),
@@ -65,7 +75,7 @@ CASES = {
     "one-wave-bf16": (dict(B=1, T=130, P=4, hd=128, S=512, W=16, dtype=BF16), {}, {}, "fb"),
     "batch-kernels": (dict(SMALL, dtype=np.float32), {}, {}, "batch"),
 }
-TOL = {"float64": 1e-9, "float32": 1e-4}
+TOL = {"float64": 1e-9, "float32": 1e-4}   # 16-bit banks: 2e-2
 
 
 def _problem(kw):
@@ -123,7 +133,7 @@ def run_case(name: str, check: bool) -> None:
         cp.cuda.runtime.deviceSynchronize()
         if not check:
             return
-        tol = TOL.get(np.dtype(pb.bank.dtype).name, 5e-2)
+        tol = TOL.get(np.dtype(pb.bank.dtype).name, 2e-2)
         r_ref, fin_ref = reference_fwd(pb)
         assert_close(r, r_ref, tol, f"{name}: readings")
         assert_close(fin, fin_ref, tol, f"{name}: final bank")
@@ -195,6 +205,42 @@ def _sanitizer() -> str:
     return "compute-sanitizer"
 
 
+def _run(cmd, timeout):
+    """(output with stderr in order, return code or 'timeout'); the whole process group is
+    killed on timeout (compute-sanitizer and the Python process under it)."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         cwd=ROOT, start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=max(1, timeout))
+        return out, p.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        return out, "timeout"
+
+
+def _summary(text: str):
+    """The tool's own count of errors (None if it printed no summary)."""
+    counts = [int(m.group(1) or m.group(2)) for m in _ERR.finditer(text)]
+    return counts[-1] if counts else None
+
+
+def _table(names, rows) -> str:
+    lines = ["| tool | rc | s | tool's error count | " + " | ".join(names) + " |",
+             "|---|---|---|---|" + "---|" * len(names)]
+    for tool, cases, secs, rc, total in rows:
+        cells = []
+        for n in names:
+            c = cases.get(n)
+            cells.append("-" if c is None else
+                         f"{c['status']}" + (f", {c['reports']} reports" if c["reports"] else ""))
+        shown = sum(c["reports"] for c in cases.values())
+        flag = "" if total is None or total <= shown else f" (more than the {shown} shown)"
+        lines.append(f"| {tool} | {rc} | {secs:.0f} | {'-' if total is None else total}{flag} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tools", default=",".join(TOOLS))
@@ -213,43 +259,35 @@ def main() -> int:
     out = os.environ.get("OUT", "/tmp")
     me = [sys.executable, os.path.abspath(__file__), "--child", "--cases", ",".join(names)]
     t0 = time.time()
-    plain = subprocess.run(me, capture_output=True, text=True, cwd=ROOT)
+    text, rc = _run(me, min(150, args.timeout // 3))
     with open(os.path.join(out, "sanitize_plain.log"), "w") as f:
-        f.write(plain.stdout + plain.stderr)
-    rows = [("no tool (reference check)", per_case(plain.stdout), time.time() - t0, plain.returncode)]
-    print(f"no tool: rc {plain.returncode} in {time.time() - t0:.0f}s", flush=True)
-    for tool in [t for t in args.tools.split(",") if t]:
+        f.write(text)
+    rows = [("no tool (reference check)", per_case(text), time.time() - t0, rc, None)]
+    print(f"no tool: rc {rc} in {time.time() - t0:.0f}s", flush=True)
+    tools = [t for t in args.tools.split(",") if t]
+    for i, tool in enumerate(tools):
         left = args.timeout - (time.time() - t0)
-        if left < 20:
+        budget = min(left, max(60.0, left / (len(tools) - i)))   # later tools keep their share
+        if budget < 20:
             print(f"{tool}: skipped (time)", flush=True)
             continue
-        cmd = [_sanitizer(), "--tool", tool, "--print-limit", "100",
-               *TOOL_ARGS.get(tool, []), *me, "--no-check", "--no-pool"]
         t = time.time()
+        cmd = [_sanitizer(), "--tool", tool, *COMMON_ARGS, *TOOL_ARGS.get(tool, []), *me,
+               "--no-check", "--no-pool"]
         try:
-            p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=left)
-            text, rc = p.stdout + p.stderr, p.returncode
-        except subprocess.TimeoutExpired as e:
-            text = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) \
-                else (e.stdout or "")
-            rc = "timeout"
+            text, rc = _run(cmd, budget)
         except FileNotFoundError:
             text, rc = "compute-sanitizer not found", "missing"
+        if "Device not supported" in text:
+            rc = "device not supported"
         with open(os.path.join(out, f"sanitize_{tool}.log"), "w") as f:
             f.write(text)
-        summary = [m.group(0) for m in _ERR.finditer(text)]
-        print(f"{tool}: rc {rc} in {time.time() - t:.0f}s; {summary[-1] if summary else text[-300:]}",
+        total = _summary(text)
+        print(f"{tool}: rc {rc} in {time.time() - t:.0f}s; tool's error count {total}",
               flush=True)
-        rows.append((tool, per_case(text), time.time() - t, rc))
-    print("\n| tool | rc | s | " + " | ".join(names) + " |")
-    print("|---|---|---|" + "---|" * len(names))
-    for tool, cases, secs, rc in rows:
-        cells = []
-        for n in names:
-            c = cases.get(n)
-            cells.append("-" if c is None else
-                         f"{c['status']}" + (f", {c['reports']} reports" if c["reports"] else ""))
-        print(f"| {tool} | {rc} | {secs:.0f} | " + " | ".join(cells) + " |")
+        rows.append((tool, per_case(text), time.time() - t, rc, total))
+        print(_table(names, rows), flush=True)   # so far (an outer timeout keeps this much)
+    print("\n" + _table(names, rows))
     return 0
 
 

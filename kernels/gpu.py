@@ -276,14 +276,21 @@ def plan(lay: Layout, config, *, quant=None, limits=None, backward=False,
     return pl
 
 
-def backward_plan(lay: Layout, config, *, limits=None, chunk=None) -> Plan:
+class _ChunkDoesNotFit(RuntimeError):
+    """The backward's shared memory does not fit the saving forward's chunk at any tile the
+    knobs allow (``_plan`` with ``chunk``)."""
+
+
+def backward_plan(lay: Layout, config, *, limits=None, chunk=None, fwd_settings=None) -> Plan:
     """The backward's plan: the chunk of the forward that saved its snapshots, the backward's
-    own tiles and stages. ``chunk``: that forward's chunk, as its snapshots carry it
-    (``SavedSnapshots.chunk``); None recomputes it from the layout, config and current knobs.
+    own tiles and stages (narrower tiles where the chunk needs them). ``chunk``: that forward's
+    chunk, as its snapshots carry it (``SavedSnapshots.chunk``); None recomputes it from the
+    layout, config and current knobs. ``fwd_settings``: ``settings()`` when the forward ran (for
+    the error message).
 
     Raises:
-        RuntimeError: the backward cannot run that chunk with the current knobs (a setting of
-            this module changed since the forward made its snapshots).
+        RuntimeError: the backward cannot run that chunk with the current knobs (a forced tile
+            width set since the forward made its snapshots leaves too little shared memory).
     """
     mode = config.snapshot_quant
     if chunk is None:   # a sub-chunk where the forward saved its snapshots for those
@@ -292,37 +299,47 @@ def backward_plan(lay: Layout, config, *, limits=None, chunk=None) -> Plan:
     try:
         return plan(lay, config, limits=limits, backward=True, exact_snapshots=mode is None,
                     chunk=int(chunk))
-    except (RuntimeError, UnsupportedConfigurationError):
-        changed = ", ".join(f"{k}={v!r}" for k, v in zip(_SETTING_NAMES, settings())
-                            if v != _DEFAULTS[k]) or "none"
+    except _ChunkDoesNotFit:
+        now = settings()
+        if fwd_settings is not None:
+            changed = ", ".join(f"{k}={v!r} (the forward's: {f!r})" for k, v, f in
+                                zip(_SETTING_NAMES, now, fwd_settings) if v != f)
+            since = "since the forward"
+        else:
+            changed = ", ".join(f"{k}={v!r}" for k, v in zip(_SETTING_NAMES, now)
+                                if v != _DEFAULTS[k])
+            since = "from their defaults"
         raise RuntimeError(
             f"sdm_cupy.backward: the snapshots were saved by a forward that ran {int(chunk)}-token "
             f"chunks, and the backward must walk the same chunks, but with the current settings "
-            f"of sdm_cupy.kernels.gpu (changed from their defaults: {changed}) its shared memory "
+            f"of sdm_cupy.kernels.gpu (changed {since}: {changed or 'none'}) its shared memory "
             f"at that chunk is more than this device has. Restore the settings the forward ran "
             f"with, or run the forward again") from None
 
 
 class SavedSnapshots(tuple):
     """The forward's snapshot arrays ``(rows, scales or None)``, a plain tuple to every reader,
-    plus ``chunk``: the chunk the forward ran, whose starts the rows hold. The backward walks
-    these chunks whatever the module's knobs are by then."""
+    plus ``chunk``: the chunk the forward ran, whose starts the rows hold, and ``settings``:
+    the module's knobs then. The backward walks these chunks whatever the knobs are by then."""
 
     chunk: int
+    settings: tuple
 
-    def __new__(cls, arrays, chunk: int):
+    def __new__(cls, arrays, chunk: int, knobs: tuple = ()):
         self = super().__new__(cls, arrays)
         self.chunk = int(chunk)
+        self.settings = tuple(knobs)
         return self
 
     def __reduce__(self):
-        return (SavedSnapshots, (tuple(self), self.chunk))
+        return (SavedSnapshots, (tuple(self), self.chunk, self.settings))
 
 
 def check_backward(lay: Layout, config, snapshots) -> None:
     """Refusals of a backward, before the saved state is consumed: its chunks (those its
     snapshots were saved for) must still fit the backward (RuntimeError otherwise)."""
-    backward_plan(lay, config, chunk=getattr(snapshots, "chunk", None))
+    backward_plan(lay, config, chunk=getattr(snapshots, "chunk", None),
+                  fwd_settings=getattr(snapshots, "settings", None) or None)
 
 
 def _plan(lay: Layout, quant, limits, backward, cmax=None, exact_snapshots=True,
@@ -349,16 +366,23 @@ def _plan(lay: Layout, quant, limits, backward, cmax=None, exact_snapshots=True,
         lay, N, nsm, bwd_per_sm if backward else 2, backward)
     sizes = dict(idx_size=np.dtype(lay.index_dtype).itemsize, val_size=vk.itemsize,
                  bank_size=np.dtype(lay.bank_dtype).itemsize)
+    forced = (BWD_TILE_WIDTH if backward else None) is not None or TILE_WIDTH is not None
     while True:
         pre, fwd, fwd_keep, bwd = _smem(C, lay.W, TW, N, acc.itemsize,
                                         quant in ("fp8_e4m3", "int8"), **sizes)
         need = max(pre, fwd) if TW == lay.hd and quant in ("fp8_e4m3", "int8") else max(pre, fwd, bwd)
-        if need <= smem_max or C == 1:
+        if need <= smem_max:
+            break
+        if chunk is not None and not forced and TW > N:
+            # the chunk is the saving forward's: narrower tiles instead (a knob that narrowed
+            # them when the forward ran may have changed back since)
+            TW = max(1, -(-TW // N) // 2) * N
+            continue
+        if C == 1:
             break
         C = max(1, C // 2)
-    if chunk is not None and C != chunk:
-        raise RuntimeError(f"sdm_cupy internal error: the backward cannot run the forward's "
-                           f"chunk {chunk} ({lay})")
+    if chunk is not None and (C != chunk or need > smem_max):
+        raise _ChunkDoesNotFit(f"the backward cannot run the forward's chunk {chunk} ({lay})")
     if need > smem_max:
         raise UnsupportedConfigurationError(
             f"head width hd={lay.hd} with snapshot_quant={quant!r} needs {need} "
@@ -574,7 +598,8 @@ def sdm_fwd(lay: Layout, config, bank, write_idx, write_w, values, beta, read_id
              np.int32(pl.sub.bit_length() - 1 if pl.sub and save_snapshots and mode is None
                       else 0), _err_array()) + _div_params(lay, pl), threads)
     readings = out if vk == lay.value_dtype else out.astype(lay.value_dtype)
-    return readings, (SavedSnapshots((snap, scale), pl.sub or pl.C) if save_snapshots else None)
+    return readings, (SavedSnapshots((snap, scale), pl.sub or pl.C, settings())
+                      if save_snapshots else None)
 
 
 def _fuse_threads(npc: int, W: int) -> int:
@@ -593,7 +618,8 @@ def sdm_bwd(lay: Layout, config, bank, inputs, snapshots, dr, dM):
     mode = config.snapshot_quant
     # the chunks of the forward that saved the snapshots; tiles freely (scales are stored);
     # stages where they fit
-    pl = backward_plan(lay, config, chunk=getattr(snapshots, "chunk", None))
+    pl = backward_plan(lay, config, chunk=getattr(snapshots, "chunk", None),
+                       fwd_settings=getattr(snapshots, "settings", None) or None)
     acc = K.compute_dtype(lay.bank_dtype, lay.value_dtype)
     vk = K.kernel_value_dtype(lay.bank_dtype, lay.value_dtype)
     v = values if values.dtype == vk else values.astype(vk)

@@ -511,6 +511,36 @@ def test_knobs_changed_between_forward_and_backward_match_reference(rng, monkeyp
     _assert_float64_reference(pb, dr, dM, r, fin, tuple(to_numpy(getattr(g, n)) for n in GRADS))
 
 
+def test_backward_narrows_its_tiles_for_the_forwards_chunk_match_reference(rng, monkeypatch):
+    """A forward run under ``gpu.TILE_WIDTH = 8`` (float32, hd = 256, W = 8: 64-token chunks),
+    the knob reset before its backward: the backward's automatic tiles do not fit that chunk
+    in shared memory, so it takes narrower ones and still walks the forward's chunks; every
+    output against the float64 reference, the bank rewound exactly."""
+    from sdm_cupy.kernels import gpu
+    pb = make_problem(rng, B=4, T=150, P=8, hd=256, S=64, W=8, dtype=np.float32)
+    cfg = _cfg(pb, 64)
+    x = pb.to(cp)
+    lay = sdm._validate.layout(x.bank, *x.inputs, cfg)
+    monkeypatch.setattr(gpu, "TILE_WIDTH", 8)
+    res = sdm.forward(x.bank, *x.inputs, cfg)
+    monkeypatch.setattr(gpu, "TILE_WIDTH", None)
+    C = res.saved._snapshots.chunk
+    own = gpu.plan(lay, cfg, backward=True)
+    bwd = gpu.backward_plan(lay, cfg, chunk=C)
+    if gpu._device_limits()[1] >= 227 * 1024:   # an H100/H200: the case this test is for
+        assert own.C < C == 64 and bwd.TW < own.TW
+    assert bwd.C == C
+    r, fin = to_numpy(res.readings), to_numpy(res.bank)
+    dr = rng.normal(size=pb.values.shape).astype(np.float32)
+    g = sdm.backward(res.saved, cp.asarray(dr))
+    assert np.array_equal(to_numpy(res.bank), pb.bank), "rewound bank"
+    r_ref, fin_ref = reference_fwd(pb)
+    assert_close(r, r_ref, 1e-4, "readings")
+    assert_close(fin, fin_ref, 1e-4, "final bank")
+    for name, want in zip(GRADS, reference_bwd(pb, dr.astype(np.float64))):
+        assert_close(to_numpy(getattr(g, name)), want, 1e-4, f"grad {name}")
+
+
 def test_backward_refused_for_a_chunk_it_no_longer_fits_then_runs(rng, monkeypatch):
     """A backward tile set after the forward that leaves too little shared memory for the
     forward's chunk: ``backward`` refuses with a clear RuntimeError before anything runs (the
@@ -522,17 +552,12 @@ def test_backward_refused_for_a_chunk_it_no_longer_fits_then_runs(rng, monkeypat
     x = pb.to(cp)
     res = sdm.forward(x.bank, *x.inputs, cfg)
     C = res.saved._snapshots.chunk
-    lay = sdm._validate.layout(x.bank, *x.inputs, cfg)
     final = to_numpy(res.bank)
     monkeypatch.setattr(gpu, "BWD_TILE_WIDTH", pb.hd)
-    try:
-        gpu.backward_plan(lay, cfg, chunk=C)
-    except RuntimeError:
-        pass
-    else:
-        pytest.skip(f"this device fits a whole-row backward tile at C = {C}")
+    # (a whole 256-column row at C = 40 needs about 570 KB of shared memory: no GPU has that)
     dr = rng.normal(size=pb.values.shape).astype(np.float32)
-    with pytest.raises(RuntimeError, match=f"forward that ran {C}-token chunks"):
+    with pytest.raises(RuntimeError, match=f"forward that ran {C}-token chunks.*changed since "
+                                           f"the forward: BWD_TILE_WIDTH={pb.hd}"):
         sdm.backward(res.saved, cp.asarray(dr))
     assert not res.saved.consumed
     assert np.array_equal(to_numpy(res.bank), final)

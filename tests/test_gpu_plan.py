@@ -179,6 +179,38 @@ def test_backward_refuses_a_chunk_it_can_no_longer_fit(monkeypatch):
         gpu.backward_plan(lay, cfg, limits=H200, chunk=C)
 
 
+def test_backward_narrows_its_tiles_for_the_forwards_chunk(monkeypatch):
+    """A forward planned under a knob that narrowed the tiles (here TILE_WIDTH = 8: float32,
+    hd = 256, W = 8 runs 64-token chunks) and the knob reset before the backward: the backward's
+    automatic tiles do not fit that chunk, so it takes narrower ones (not a refusal, and not
+    another chunk)."""
+    lay = _layout(bank_dtype=np.dtype(np.float32), value_dtype=np.dtype(np.float32), T=256,
+                  hd=256, W=8)
+    cfg = _cfg(lay)
+    monkeypatch.setattr(gpu, "TILE_WIDTH", 8)
+    C = gpu.plan(lay, cfg, limits=H200, saves=True).C
+    monkeypatch.setattr(gpu, "TILE_WIDTH", None)
+    own = gpu.plan(lay, cfg, limits=H200, backward=True)
+    assert own.C < C == 64                    # by itself the backward would take a shorter chunk
+    bwd = gpu.backward_plan(lay, cfg, limits=H200, chunk=C)
+    assert bwd.C == C and bwd.TW < own.TW and bwd.TW % bwd.N == 0
+    assert bwd.ntile == -(-lay.hd // bwd.TW)
+    assert max(bwd.smem_bwd, bwd.smem_bwd_snap) <= H200[1]
+
+
+def test_refusal_names_the_knobs_changed_since_the_forward(monkeypatch):
+    """With the forward's settings at hand (``SavedSnapshots.settings``), the refusal names
+    the knobs that changed since the forward, with both values."""
+    lay = _layout()
+    cfg = _cfg(lay)
+    fwd_settings = gpu.settings()
+    C = gpu.plan(lay, cfg, limits=H200, saves=True).C
+    monkeypatch.setattr(gpu, "BWD_TILE_WIDTH", lay.hd)
+    with pytest.raises(RuntimeError, match=r"changed since the forward: BWD_TILE_WIDTH=128 "
+                                           r"\(the forward's: None\)\)"):
+        gpu.backward_plan(lay, cfg, limits=H200, chunk=C, fwd_settings=fwd_settings)
+
+
 def test_saved_snapshots_read_as_a_tuple_and_carry_the_chunk():
     """``SavedSnapshots`` unpacks, counts and iterates as the plain (rows, scales) tuple every
     reader expects (SavedState.nbytes, the graph runner's leaves), and survives a pickle."""
@@ -186,13 +218,14 @@ def test_saved_snapshots_read_as_a_tuple_and_carry_the_chunk():
 
     from sdm_cupy.graphs.capture import leaves
     rows, scales = np.zeros((2, 3, 1, 4, 8), np.float32), None
-    snaps = gpu.SavedSnapshots((rows, scales), 32)
+    snaps = gpu.SavedSnapshots((rows, scales), 32, gpu.settings())
     a, b = snaps
     assert a is rows and b is None and len(snaps) == 2 and snaps == (rows, scales)
     assert snaps.chunk == 32 and isinstance(snaps, tuple)
     assert leaves(snaps) == [rows]
     back = pickle.loads(pickle.dumps(snaps))
     assert back.chunk == 32 and np.array_equal(back[0], rows) and back[1] is None
+    assert back.settings == snaps.settings == gpu.settings()
 
 
 def test_backward_snapshot_stage_keeps_two_blocks_per_sm(monkeypatch):

@@ -9,7 +9,8 @@ NumPy and every launch recorded instead of run; each recorded launch is then che
 the signature parsed from the ``.cu`` source: the instance is one its module builds, the
 argument count, each scalar's exact C type, each array's element type (from the instance's
 template arguments), the block size (at most the kernels' ``__launch_bounds__(512)``), the grid
-and the shared memory (at most an H200's opt-in limit)."""
+and the shared memory (at most an H200's opt-in limit). With NumPy standing in for CuPy it
+cannot tell a host array passed by mistake from a device one: the GPU suite covers that."""
 
 from __future__ import annotations
 
