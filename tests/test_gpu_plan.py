@@ -211,6 +211,45 @@ def test_refusal_names_the_knobs_changed_since_the_forward(monkeypatch):
         gpu.backward_plan(lay, cfg, limits=H200, chunk=C, fwd_settings=fwd_settings)
 
 
+KNOB_CHANGES = [{}, {"TILE_WIDTH": 8}, {"BWD_TILE_WIDTH": 8}, {"BWD_THREADS": 256},
+                {"FWD_CHUNK": 16}, {"STAGE_MIN_CHUNK": 64}]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_knob_changes_between_forward_and_backward_never_strand_a_backward(monkeypatch, dtype):
+    """Every pair of knob settings, one for the forward and one for its backward, over awkward
+    layouts (H200 limits): the backward plans the forward's chunk and fits in shared memory,
+    or, only where a tile width is forced for the backward, refuses with the RuntimeError."""
+    dt = DTYPES[dtype]
+    acc = np.dtype(np.float64) if dt == np.float64 else np.dtype(np.float32)
+    planned = refused = 0
+    for W in (1, 8, 16, 48):
+        for hd in (8, 36, 128, 256):
+            lay = _layout(bank_dtype=dt, value_dtype=dt, compute_dtype=acc, grad_bank_dtype=acc,
+                          W=W, hd=hd, T=300)
+            cfg = _cfg(lay)
+            for fwd_knobs in KNOB_CHANGES:
+                for k, v in fwd_knobs.items():
+                    monkeypatch.setattr(gpu, k, v)
+                C = gpu.plan(lay, cfg, limits=H200, saves=True).C
+                monkeypatch.undo()
+                for bwd_knobs in KNOB_CHANGES:
+                    for k, v in bwd_knobs.items():
+                        monkeypatch.setattr(gpu, k, v)
+                    try:
+                        pl = gpu.backward_plan(lay, cfg, limits=H200, chunk=C)
+                    except RuntimeError:
+                        assert "TILE_WIDTH" in bwd_knobs or "BWD_TILE_WIDTH" in bwd_knobs, (
+                            W, hd, fwd_knobs, bwd_knobs)
+                        refused += 1
+                    else:
+                        assert pl.C == C and pl.Nt == -(-lay.T // C)
+                        assert max(pl.smem_bwd, pl.smem_bwd_snap) <= H200[1]
+                        planned += 1
+                    monkeypatch.undo()
+    assert planned > 10 * refused
+
+
 def test_saved_snapshots_read_as_a_tuple_and_carry_the_chunk():
     """``SavedSnapshots`` unpacks, counts and iterates as the plain (rows, scales) tuple every
     reader expects (SavedState.nbytes, the graph runner's leaves), and survives a pickle."""
