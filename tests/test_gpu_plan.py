@@ -212,7 +212,8 @@ def test_refusal_names_the_knobs_changed_since_the_forward(monkeypatch):
 
 
 KNOB_CHANGES = [{}, {"TILE_WIDTH": 8}, {"BWD_TILE_WIDTH": 8}, {"BWD_THREADS": 256},
-                {"FWD_CHUNK": 16}, {"STAGE_MIN_CHUNK": 64}]
+                {"FWD_CHUNK": 16}, {"STAGE_MIN_CHUNK": 64}, {"SUB_SNAPSHOTS": False},
+                {"BWD_DM_STAGE": False}]
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -231,7 +232,8 @@ def test_knob_changes_between_forward_and_backward_never_strand_a_backward(monke
             for fwd_knobs in KNOB_CHANGES:
                 for k, v in fwd_knobs.items():
                     monkeypatch.setattr(gpu, k, v)
-                C = gpu.plan(lay, cfg, limits=H200, saves=True).C
+                fwd = gpu.plan(lay, cfg, limits=H200, saves=True)
+                C = fwd.sub or fwd.C   # what sdm_fwd's SavedSnapshots carry
                 monkeypatch.undo()
                 for bwd_knobs in KNOB_CHANGES:
                     for k, v in bwd_knobs.items():
