@@ -126,6 +126,14 @@ def _check_launch(rec, fuse_dummies: bool):
             want = CTYPES[binding.get(ctype, ctype)]
             assert isinstance(arg, np.generic) and arg.dtype == want, \
                 f"{where}: {type(arg).__name__}, the kernel reads {ctype}"
+    if kernel == "sdm_fwd_kernel" and int(binding["RS"]):
+        # RS = 1 instances hold the fast path alone and check nothing on the device: the
+        # launcher's rule is their only guard (kernels/sdm_fwd.cu)
+        a = {pname: arg for (_, _, pname), arg in zip(params, args)}
+        N = int(binding["N"])
+        assert a["vecmask"] & 1 and (a["vecmask"] & 8 or not a["save"]), f"{name}: unaligned"
+        assert a["keep"] == 1 and a["fuse"] == 0 and int(binding["Q"]) <= 1, name
+        assert a["hd"] % N == 0 and a["TW"] % N == 0, f"{name}: partial pieces"
     assert 1 <= grid <= 2 ** 31 - 1, f"{name}: grid {grid}"
     assert threads % 32 == 0 and 32 <= threads <= 512, f"{name}: {threads} threads"
     assert 0 <= smem <= H200[1], f"{name}: {smem} bytes of shared memory"
@@ -185,9 +193,12 @@ CASES = {   # name: (make_problem arguments, SDMConfig arguments, gpu knobs)
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", list(CASES) + ["bf16-staged-misaligned-bank"])
 def test_every_launch_matches_its_kernels_signature(recorded, monkeypatch, case):
-    pkw, ckw, knobs = CASES[case]
+    """Also: a forward's fast-path-only instance (RS = 1) only where its conditions hold; a
+    bank that starts one element past a 16-byte boundary gets the general instance."""
+    misaligned = case.endswith("-misaligned-bank")
+    pkw, ckw, knobs = CASES[case.replace("-misaligned-bank", "")]
     for k, v in knobs.items():
         monkeypatch.setattr(gpu, k, v)
     pb = make_problem(np.random.default_rng(0), **pkw)
@@ -197,6 +208,11 @@ def test_every_launch_matches_its_kernels_signature(recorded, monkeypatch, case)
     inputs = (pb.write_idx.astype(idx), pb.write_w.astype(wd), pb.values,
               pb.beta.astype(wd), pb.read_idx.astype(idx), pb.read_w.astype(wd))
     bank = pb.bank.copy()
+    if misaligned:   # the same values, one element past a 16-byte boundary
+        buf = np.empty(bank.size + 1, bank.dtype)
+        bank = buf[1:].reshape(bank.shape)
+        bank[...] = pb.bank
+        assert bank.flags.c_contiguous and bank.ctypes.data % 16 != 0
     gpu.check_config(lay, cfg)
     _, snaps = gpu.sdm_fwd(lay, cfg, bank, *inputs, save_snapshots=True)
     gpu.check_backward(lay, cfg, snaps)
@@ -208,6 +224,11 @@ def test_every_launch_matches_its_kernels_signature(recorded, monkeypatch, case)
     assert kinds.count("fwd") == 2 and kinds.count("bwd") >= 1, kinds
     for rec in recorded:
         _check_launch(rec, fuse_dummies=fuse and rec[0] == "fwd")
+    fwd_names = [rec[2] for rec in recorded if rec[0] == "fwd"]
+    if misaligned:
+        assert not any(n.endswith(",1>") for n in fwd_names), fwd_names
+    elif case == "bf16-staged":   # the fast path where it holds (else this test checks nothing)
+        assert any(n.endswith(",1>") for n in fwd_names), fwd_names
 
 
 def test_batch_launches_match_their_kernels_signature(recorded):
