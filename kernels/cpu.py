@@ -68,7 +68,9 @@ no snapshots): its scatter then adds to the bank rows, which hold M0 until then.
 contiguous copy of the S×hd block (gathers from L2) was measured slower: copying the block in
 and out costs more than it saves. Dot products use eight fixed partial sums
 (``cpu_chunk.dot``): vectorisable without fastmath and bitwise reproducible. Memory per worker:
-O(C·W·hd + C²) scratch; C is capped at ``CHUNK_CAP`` (a speed knob only, SPEC §2). Column
+O(C·W·hd + C²) scratch; C is capped at ``CHUNK_CAP`` (a speed knob only, SPEC §2). The
+snapshots carry the forward's C (``kernels.saved.SavedSnapshots``) and the backward walks it,
+so a cap changed in between cannot make it rewind to other chunks' rows. Column
 tiles inside a head are not used: B·P workers already fill a small CPU.
 
 Formats: 16-bit banks reach the kernels as uint16 bits plus a format code (``cpu_formats``);
@@ -97,6 +99,7 @@ from .cpu_bwd import sdm_bwd_kernel
 from .cpu_formats import FMT_BF16, FMT_F16, FMT_NATIVE, SNAP_CODES, SNAP_EXACT, SNAP_OFF
 from .cpu_fwd import sdm_fwd_kernel, sdm_fwd_seq_kernel
 from . import cpu_cache
+from .saved import SavedSnapshots
 
 # Kernels load their on-disk cache at their first call, so this still comes first.
 cpu_cache.drop_stale()
@@ -281,16 +284,19 @@ def sdm_fwd(lay, config, bank, write_idx, write_w, values, beta, read_idx, read_
         else:
             snapshots = (_snapshot_empty(nrows, _SNAP_VIEW[quant]),
                          _snapshot_empty((B, P, T, W), np.float32))
+    C = _chunk(lay)
+    if snapshots is not None:   # they carry the chunk their backward must walk
+        snapshots = SavedSnapshots(snapshots, C, (CHUNK_CAP, FORWARD))
     nat, u16, u8, sc = _snapshot_arrays(lay, bank_k, snapshots, mode)
     bad = np.zeros((B * P, 2), np.int64)
     with _LOCK:
         if fmt == FMT_NATIVE and FORWARD == "auto":
             sdm_fwd_seq_kernel(bank_k, wi, a, v.reshape(B * T, lay.D), be, ri, c,
-                               r.reshape(B * T, lay.D), S, P, hd, _chunk(lay), mode, nat, u16,
+                               r.reshape(B * T, lay.D), S, P, hd, C, mode, nat, u16,
                                u8, sc, bad, _groups(B, P))
         else:
             sdm_fwd_kernel(bank_k, fmt, wi, a, v.reshape(B * T, lay.D), be, ri, c,
-                           r.reshape(B * T, lay.D), S, P, hd, _chunk(lay), mode, nat, u16, u8,
+                           r.reshape(B * T, lay.D), S, P, hd, C, mode, nat, u16, u8,
                            sc, bad, _blocks(B * P))
     if bad.any():
         _raise_bad_ids(bad, lay, wi, ri)
@@ -314,6 +320,8 @@ def sdm_bwd(lay, config, bank, inputs, snapshots, dr, dM):
     else:
         dMk = np.ascontiguousarray(dM, dtype=cd)   # no copy when dM is already cd
     mode = SNAP_CODES[config.snapshot_quant]
+    # the chunks of the forward that saved the snapshots (CHUNK_CAP may have changed since)
+    C = getattr(snapshots, "chunk", None) or _chunk(lay)
     nat, u16, u8, sc = _snapshot_arrays(lay, bank_k, snapshots, mode)
     da = np.empty((B, T, P, W), cd)
     dv = np.empty((B, T, lay.D), cd)
@@ -322,7 +330,7 @@ def sdm_bwd(lay, config, bank, inputs, snapshots, dr, dM):
     bad = np.zeros((B * P, 2), np.int64)
     with _LOCK:
         sdm_bwd_kernel(bank_k, fmt, wi, a, v.reshape(B * T, lay.D), be, ri, c,
-                       drk.reshape(B * T, lay.D), dMk, S, P, hd, _chunk(lay), mode, nat, u16,
+                       drk.reshape(B * T, lay.D), dMk, S, P, hd, C, mode, nat, u16,
                        u8, sc, da, dv.reshape(B * T, lay.D), dbeta, dc, bad, _blocks(B * P))
     if bad.any():
         _raise_bad_ids(bad, lay, wi, ri)

@@ -47,6 +47,7 @@ import numpy as np
 from .._validate import Layout
 from ..config import UnsupportedConfigurationError
 from . import _build as K
+from .saved import SavedSnapshots
 
 __all__ = ["check_config", "check_backward", "sdm_fwd", "sdm_bwd", "expand_memory_batch",
            "sum_memory_batch", "check_device_errors", "settings", "plan", "backward_plan",
@@ -315,24 +316,6 @@ def backward_plan(lay: Layout, config, *, limits=None, chunk=None, fwd_settings=
             f"of sdm_cupy.kernels.gpu (changed {since}: {changed or 'none'}) its shared memory "
             f"at that chunk is more than this device has. Restore the settings the forward ran "
             f"with, or run the forward again") from None
-
-
-class SavedSnapshots(tuple):
-    """The forward's snapshot arrays ``(rows, scales or None)``, a plain tuple to every reader,
-    plus ``chunk``: the chunk the forward ran, whose starts the rows hold, and ``settings``:
-    the module's knobs then. The backward walks these chunks whatever the knobs are by then."""
-
-    chunk: int
-    settings: tuple
-
-    def __new__(cls, arrays, chunk: int, knobs: tuple = ()):
-        self = super().__new__(cls, arrays)
-        self.chunk = int(chunk)
-        self.settings = tuple(knobs)
-        return self
-
-    def __reduce__(self):
-        return (SavedSnapshots, (tuple(self), self.chunk, self.settings))
 
 
 def check_backward(lay: Layout, config, snapshots) -> None:

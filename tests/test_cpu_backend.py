@@ -543,3 +543,28 @@ def test_chunked_and_recurrence_forwards_agree_in_float32(rng, monkeypatch):
     monkeypatch.setattr(cpu, "FORWARD", "token")
     with pytest.raises(ValueError, match="FORWARD"):
         sdm.forward(*pb.args(), cfg, needs_backward=False)
+
+
+# ---- the chunk the snapshots carry (kernels/saved.py) -------------------------------------------
+@pytest.mark.parametrize("forward", ["auto", "chunked"])
+@pytest.mark.parametrize("fwd_cap, bwd_cap", [(8, 256), (256, 8)])
+def test_backward_walks_the_chunks_its_snapshots_carry(monkeypatch, forward, fwd_cap, bwd_cap):
+    """``cpu.CHUNK_CAP`` changed between a forward and its backward: the snapshots hold rows
+    at the starts of the forward's chunks and carry that chunk, and the backward walks it, not
+    the chunk the cap gives by then. Many repeated slots (S = 5), so that other chunks would
+    give other rows: the bank rewinds exactly and every gradient matches the float64 reference."""
+    monkeypatch.setattr(cpu, "FORWARD", forward)
+    rng = np.random.default_rng(11)
+    pb = make_problem(rng, B=2, T=50, P=2, hd=6, S=5, W=3)
+    cfg = sdm.SDMConfig(num_memory_slots=pb.S, num_parallel=pb.P, chunk_size=64)
+    dr = rng.normal(size=pb.values.shape)
+    dM = rng.normal(size=pb.bank.shape)
+    monkeypatch.setattr(cpu, "CHUNK_CAP", fwd_cap)
+    res = sdm.forward(pb.bank.copy(), *pb.inputs, cfg)
+    assert res.saved._snapshots.chunk == min(fwd_cap, 50)
+    monkeypatch.setattr(cpu, "CHUNK_CAP", bwd_cap)
+    g = sdm.backward(res.saved, dr, dM.copy())
+    np.testing.assert_array_equal(res.bank, pb.bank)
+    for name, want in zip(("bank", "write_w", "values", "beta", "read_w"),
+                          reference_bwd(pb, dr, dM)):
+        assert_close(getattr(g, name), want, 1e-9, f"grad {name}")
