@@ -341,7 +341,7 @@ def _plan(lay: Layout, quant, limits, backward, cmax=None, exact_snapshots=True,
         C = max(1, min(C, int(bound)))
     if cmax is not None:
         C = min(C, cmax)
-    if chunk is not None:   # the saving forward's chunk (backward_plan refuses if it no longer fits)
+    if chunk is not None:   # the saving forward's (backward_plan refuses one that no longer fits)
         C = chunk
     # the backward runs one wave: one block per multiprocessor at 512 threads, two at 256
     bwd_per_sm = 2 if (BWD_THREADS or THREADS) <= 256 else 1

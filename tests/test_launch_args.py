@@ -121,7 +121,8 @@ def _check_launch(rec, fuse_dummies: bool):
                      or (fuse_dummies and pname in ("sp_ptr", "sp_col", "sp_val", "wrun_g")))
             if not dummy:
                 want = _pointee(ctype, binding)
-                assert arg.dtype == want, f"{where}: an array of {arg.dtype}, the kernel reads {want}"
+                assert arg.dtype == want, \
+                    f"{where}: an array of {arg.dtype}, the kernel reads {want}"
         else:
             want = CTYPES[binding.get(ctype, ctype)]
             assert isinstance(arg, np.generic) and arg.dtype == want, \
