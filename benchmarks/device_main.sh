@@ -8,7 +8,9 @@
 set -u
 cd "$(dirname "$0")/.."
 T0=$(date +%s)
-python3 -m pip install -q --no-deps --no-build-isolation .whl/*.whl -e . > ${OUT:-/tmp}/pip.log 2>&1
+# the carried wheels (FLA for the benchmarks) when there, and the checkout itself
+python3 -m pip install -q --no-deps --no-build-isolation $(ls .whl/*.whl 2>/dev/null) -e . \
+    > ${OUT:-/tmp}/pip.log 2>&1 || { echo "pip install failed:"; tail -5 ${OUT:-/tmp}/pip.log; }
 PYTEST_TIMEOUT=280 timeout 300 python3 benchmarks/gpu_check.py --no-bench --pytest-args "-n 16" 2>&1 | tail -8
 LEFT=$(( 560 - ($(date +%s) - T0) ))
 echo "== sanitizer, ${LEFT} s left"
