@@ -286,7 +286,7 @@ def sdm_fwd(lay, config, bank, write_idx, write_w, values, beta, read_idx, read_
                          _snapshot_empty((B, P, T, W), np.float32))
     C = _chunk(lay)
     if snapshots is not None:   # they carry the chunk their backward must walk
-        snapshots = SavedSnapshots(snapshots, C, (CHUNK_CAP, FORWARD))
+        snapshots = SavedSnapshots(snapshots, C)
     nat, u16, u8, sc = _snapshot_arrays(lay, bank_k, snapshots, mode)
     bad = np.zeros((B * P, 2), np.int64)
     with _LOCK:

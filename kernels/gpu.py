@@ -40,6 +40,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import operator
 import threading
 
 import numpy as np
@@ -93,16 +94,18 @@ _ERRORS = {1: "write_idx values must lie in [0, num_memory_slots)",
            2: "read_idx values must lie in [0, num_memory_slots)"}
 
 
-def settings() -> tuple:
-    """The process-wide knobs the kernels read (part of a graph runner's key)."""
-    return (TILE_WIDTH, THREADS, KEEP_ROWS, PREPASS_THREADS, BWD_THREADS, FUSE_THREADS,
-            BWD_TILE_WIDTH, BWD_SCRATCH, STAGE_READS, STAGE_THREADS, STAGE_MIN_CHUNK, BWD_CHUNK,
-            BWD_DM_STAGE, SUB_SNAPSHOTS, FWD_CHUNK)
-
-
 _SETTING_NAMES = ("TILE_WIDTH", "THREADS", "KEEP_ROWS", "PREPASS_THREADS", "BWD_THREADS",
                   "FUSE_THREADS", "BWD_TILE_WIDTH", "BWD_SCRATCH", "STAGE_READS", "STAGE_THREADS",
                   "STAGE_MIN_CHUNK", "BWD_CHUNK", "BWD_DM_STAGE", "SUB_SNAPSHOTS", "FWD_CHUNK")
+_get_settings = operator.itemgetter(*_SETTING_NAMES)
+
+
+def settings() -> tuple:
+    """The process-wide knobs the kernels read (part of a graph runner's key), in the order of
+    ``_SETTING_NAMES``."""
+    return _get_settings(globals())
+
+
 _DEFAULTS = dict(zip(_SETTING_NAMES, settings()))
 
 
@@ -214,12 +217,17 @@ def _smem(C, W, TW, N, acc_size, quant, idx_size=4, val_size=4, bank_size=4):
     return pre, fwd, fwd_keep, bwd
 
 
+def _forced_width(backward: bool):
+    """The tile width a knob forces (None: automatic)."""
+    return BWD_TILE_WIDTH if backward and BWD_TILE_WIDTH is not None else TILE_WIDTH
+
+
 def _tile_width(lay: Layout, N: int, nsm: int, per_sm: int = 2, backward: bool = False,
                 one_wave: bool | None = None) -> int:
     """Column-tile width. ``one_wave`` (default: ``backward``): the widest tiles that still fit
     one wave of ``per_sm`` blocks per multiprocessor (the backward; the forward that stages
     its read rows, per_sm = 1); else enough blocks for ``per_sm`` per multiprocessor."""
-    force = BWD_TILE_WIDTH if backward and BWD_TILE_WIDTH is not None else TILE_WIDTH
+    force = _forced_width(backward)
     if force is not None:   # rounded up to whole pieces: tiles start 16-byte aligned
         return min(lay.hd, -(-max(1, int(force)) // N) * N)
     pieces = -(-lay.hd // N)
@@ -318,11 +326,16 @@ def backward_plan(lay: Layout, config, *, limits=None, chunk=None, fwd_settings=
             f"with, or run the forward again") from None
 
 
+def _saved_plan(lay: Layout, config, snapshots) -> Plan:
+    """``backward_plan`` at the chunk (and with the settings) the snapshots carry."""
+    return backward_plan(lay, config, chunk=getattr(snapshots, "chunk", None),
+                         fwd_settings=getattr(snapshots, "settings", None) or None)
+
+
 def check_backward(lay: Layout, config, snapshots) -> None:
     """Refusals of a backward, before the saved state is consumed: its chunks (those its
     snapshots were saved for) must still fit the backward (RuntimeError otherwise)."""
-    backward_plan(lay, config, chunk=getattr(snapshots, "chunk", None),
-                  fwd_settings=getattr(snapshots, "settings", None) or None)
+    _saved_plan(lay, config, snapshots)
 
 
 def _plan(lay: Layout, quant, limits, backward, cmax=None, exact_snapshots=True,
@@ -349,7 +362,7 @@ def _plan(lay: Layout, quant, limits, backward, cmax=None, exact_snapshots=True,
         lay, N, nsm, bwd_per_sm if backward else 2, backward)
     sizes = dict(idx_size=np.dtype(lay.index_dtype).itemsize, val_size=vk.itemsize,
                  bank_size=np.dtype(lay.bank_dtype).itemsize)
-    forced = (BWD_TILE_WIDTH if backward else None) is not None or TILE_WIDTH is not None
+    forced = _forced_width(backward) is not None
     while True:
         pre, fwd, fwd_keep, bwd = _smem(C, lay.W, TW, N, acc.itemsize,
                                         quant in ("fp8_e4m3", "int8"), **sizes)
@@ -601,8 +614,7 @@ def sdm_bwd(lay: Layout, config, bank, inputs, snapshots, dr, dM):
     mode = config.snapshot_quant
     # the chunks of the forward that saved the snapshots; tiles freely (scales are stored);
     # stages where they fit
-    pl = backward_plan(lay, config, chunk=getattr(snapshots, "chunk", None),
-                       fwd_settings=getattr(snapshots, "settings", None) or None)
+    pl = _saved_plan(lay, config, snapshots)   # a remembered plan after check_backward
     acc = K.compute_dtype(lay.bank_dtype, lay.value_dtype)
     vk = K.kernel_value_dtype(lay.bank_dtype, lay.value_dtype)
     v = values if values.dtype == vk else values.astype(vk)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import os
 
 import ml_dtypes
 import numpy as np
@@ -102,3 +104,13 @@ def reference_fwd(pb: Problem):
 
 def reference_bwd(pb: Problem, dr, dM=None):
     return sdm.reference.backward(pb.bank, *pb.inputs, pb.S, pb.P, dr, dM)
+
+
+def load_benchmark(name: str):
+    """benchmarks/<name>.py as a module (the scripts are not a package)."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "benchmarks", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

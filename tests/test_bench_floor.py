@@ -1,21 +1,16 @@
 """The GPU benchmark's byte floor (SPEC §10), checked by hand on small cases: the ratios in
 benchmarks/RESULTS.md are only as right as these counts. Pure NumPy: no device needed."""
 
-import importlib.util
-import os
-
 import numpy as np
 import pytest
+
+from helpers import load_benchmark
 
 pytest.importorskip("cupy")   # bench_gpu imports it at the top (no device is used here)
 
 
 def _bench():
-    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "bench_gpu.py")
-    spec = importlib.util.spec_from_file_location("bench_gpu_floor", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("bench_gpu")
 
 
 def _ids(rows):

@@ -2,21 +2,15 @@
 knobs that exist and build valid problems and configs, and its report parser attributes each
 sanitizer report to the case that ran when it was printed."""
 
-import importlib.util
-import os
-
 import numpy as np
 
 import sdm_cupy as sdm
+from helpers import load_benchmark
 from sdm_cupy.kernels import gpu
 
 
 def _script():
-    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "sanitize.py")
-    spec = importlib.util.spec_from_file_location("sanitize_script", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("sanitize")
 
 
 def test_every_case_names_real_knobs_and_builds_a_valid_call():
