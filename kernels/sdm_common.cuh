@@ -144,7 +144,11 @@ __device__ __forceinline__ bool valid_id(I id, long long S) {
 // Records a rule violation in the host-mapped error word (a plain store: idempotent, needs no
 // system-scope atomics, and costs nothing unless an id is bad).
 __device__ __forceinline__ void flag_error(volatile int* err, int code) {
+#ifdef SDM_EMULATE   // tests/emu: the same store, marked as the intended race it is
+  if (err) __atomic_store_n(const_cast<int*>(err), code, __ATOMIC_RELAXED);
+#else
   if (err) *err = code;
+#endif
 }
 
 __device__ __forceinline__ void atomic_add(float* p, float v) { atomicAdd(p, v); }
@@ -159,6 +163,8 @@ __device__ __forceinline__ void cp_async(void* dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src));
   else
     asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(s), "l"(src), "n"(BYTES));
+#elif defined(SDM_EMULATE)   // tests/emu: the copy lands at the wait that covers it
+  sdm_emu::cp_issue(dst, src, BYTES);
 #else
   if constexpr (BYTES == 16) *reinterpret_cast<int4*>(dst) = *reinterpret_cast<const int4*>(src);
   else if constexpr (BYTES == 8) *reinterpret_cast<long long*>(dst) = *reinterpret_cast<const long long*>(src);
@@ -168,12 +174,16 @@ __device__ __forceinline__ void cp_async(void* dst, const void* src) {
 __device__ __forceinline__ void cp_commit() {
 #if __CUDA_ARCH__ >= 800
   asm volatile("cp.async.commit_group;\n" ::);
+#elif defined(SDM_EMULATE)
+  sdm_emu::cp_commit();
 #endif
 }
 template <int K>
 __device__ __forceinline__ void cp_wait() {
 #if __CUDA_ARCH__ >= 800
   asm volatile("cp.async.wait_group %0;\n" ::"n"(K));
+#elif defined(SDM_EMULATE)
+  sdm_emu::cp_wait(K);
 #endif
 }
 // ---- gathers of row pieces ----------------------------------------------------------------
@@ -231,6 +241,8 @@ __device__ __forceinline__ void cp_async_row(void* dst, const void* src) {
 #if __CUDA_ARCH__ >= 800
   const unsigned s = (unsigned)__cvta_generic_to_shared(dst);
   asm volatile("cp.async.cg.shared.global" SDM_L2PF " [%0], [%1], 16;\n" ::"r"(s), "l"(src));
+#elif defined(SDM_EMULATE)
+  sdm_emu::cp_issue(dst, src, 16);
 #else
   *reinterpret_cast<int4*>(dst) = *reinterpret_cast<const int4*>(src);
 #endif

@@ -1,0 +1,250 @@
+"""The SDM kernels run on the CPU: a build of ``kernels/*.cu`` with g++ against the CUDA
+emulator of ``tests/emu/sdm_emu.h``, and a stand-in for CuPy that lets ``kernels/gpu.py``
+launch them on NumPy arrays.
+
+A kernel module is compiled once per (source, dtype key, compiler flags) into a shared library
+cached under ``SDM_EMU_CACHE`` (default ``~/.cache/sdm-cupy-emu``); ``SDM_EMU_ASAN=1`` builds
+with AddressSanitizer (the process must then run with libasan preloaded: ``asan_env()``).
+``SDM_EMU_KERNELS`` names another directory to take the ``.cu`` sources from (the
+mutation runs of ``tests/emu/mutants.py``). ``patch(monkeypatch)`` patches ``sdm_cupy.kernels.gpu`` so that ``gpu.sdm_fwd`` /
+``gpu.sdm_bwd`` / the batch functions run here, every launch on the emulator with a seed that
+orders its blocks and threads. The emulator checks barriers, warp operations and cp.async
+waits (see the header); what it cannot see is anything about speed, the memory model between
+warps that a barrier does not order, and the device's own float32 behaviour under ``-ftz``
+(subnormals are kept here)."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import re
+import subprocess
+import sys
+import threading
+import types
+
+import numpy as np
+
+from sdm_cupy.kernels import _build as K
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+EMU_DIR = os.path.join(HERE, "emu")
+H200 = (132, 232448, "90")   # SMs, opt-in shared memory per block, arch
+
+
+def compiler() -> str | None:
+    for c in (os.environ.get("CXX"), "g++", "c++"):
+        if c:
+            try:
+                subprocess.run([c, "--version"], capture_output=True, check=True)
+                return c
+            except (OSError, subprocess.CalledProcessError):
+                continue
+    return None
+
+
+def available() -> str | None:
+    """None when the emulator can build here, else why not."""
+    if sys.platform != "linux":
+        return "the emulator's fibers need Linux (ucontext)"
+    if compiler() is None:
+        return "no C++ compiler (g++)"
+    try:
+        K.include_dir()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def asan() -> bool:
+    return os.environ.get("SDM_EMU_ASAN") == "1"
+
+
+def tsan() -> bool:
+    return os.environ.get("SDM_EMU_TSAN") == "1"
+
+
+def tsan_env() -> dict:
+    """The environment for a child process whose emulated kernels run under ThreadSanitizer
+    (every unordered pair of accesses by two threads of a block is reported, and fails)."""
+    lib = subprocess.run([compiler(), "-print-file-name=libtsan.so"], capture_output=True,
+                         text=True, check=True).stdout.strip()
+    return dict(os.environ, SDM_EMU_TSAN="1", LD_PRELOAD=lib,
+                TSAN_OPTIONS="halt_on_error=1:report_signal_unsafe=0:report_thread_leaks=0:"
+                             "exitcode=66")
+
+
+def asan_env() -> dict:
+    """The environment for a child process whose emulated kernels run under AddressSanitizer."""
+    lib = subprocess.run([compiler(), "-print-file-name=libasan.so"], capture_output=True,
+                         text=True, check=True).stdout.strip()
+    env = dict(os.environ, SDM_EMU_ASAN="1", LD_PRELOAD=lib,
+               ASAN_OPTIONS="detect_leaks=0:detect_stack_use_after_return=0:"
+                            "allocator_may_return_null=1:abort_on_error=0:halt_on_error=1")
+    return env
+
+
+_SMEM = re.compile(r"extern\s+__shared__\s+__align__\(\d+\)\s+unsigned\s+char\s+(\w+)\[\];")
+
+
+def emu_source(src: str, names, text: str | None = None) -> str:
+    """The kernel source made into one C++ translation unit for the emulator: its dynamic
+    shared memory taken from the emulator, one extern "C" launcher per instance."""
+    if text is None:
+        # another copy of kernels/ (tests/emu/mutants.py), else ours; the header inlined between
+        # #line marks, so that compiler and sanitizer reports name the .cu/.cuh file and line
+        d = os.environ.get("SDM_EMU_KERNELS") or os.path.dirname(K.__file__)
+        with open(os.path.join(d, K.SOURCES[src])) as f, open(os.path.join(d, K._HEADER)) as h:
+            body, header = f.read(), h.read()
+        inc = f'#include "{K._HEADER}"'
+        at = body.count("\n", 0, body.index(inc)) + 1
+        cu = os.path.join(d, K.SOURCES[src])
+        text = (f'#line 1 "{cu}"\n' + body.replace(
+            inc, f'#line 1 "{os.path.join(d, K._HEADER)}"\n{header}\n#line {at + 1} "{cu}"', 1))
+    text = _SMEM.sub(r"unsigned char* \1 = sdm_emu::S.smem;", text)
+    if "__shared__" in re.sub(r"//[^\n]*", "", text):
+        raise ValueError(f"{src}: a __shared__ declaration the emulator does not know (it "
+                         "takes `extern __shared__ __align__(16) unsigned char name[];`)")
+    out = ['#include "sdm_emu.h"', text, ""]
+    for i, name in enumerate(names):
+        out.append(f'extern "C" int sdm_emu_launch_{i}(void** a, int g, int b, long long s, '
+                   f'unsigned long long seed) {{ return sdm_emu::launch(&{name}, a, g, b, s, seed); }}')
+    out.append('extern "C" const char* sdm_emu_error() { return sdm_emu::S.error.c_str(); }')
+    return "\n".join(out) + "\n"
+
+
+def _flags(macros=()) -> list:
+    f = ["-std=c++17", "-O1", "-fPIC", "-shared", "-w", "-DSDM_EMULATE=1",
+         f"-I{EMU_DIR}", f"-I{K.include_dir()}", *macros]
+    if asan():
+        f += ["-fsanitize=address", "-fno-omit-frame-pointer", "-g"]
+    if tsan():
+        f += ["-fsanitize=thread", "-g"]
+    return f
+
+
+_lock = threading.Lock()
+_libs: dict = {}
+
+
+def cache_dir() -> str:
+    d = os.environ.get("SDM_EMU_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                         "sdm-cupy-emu")
+    os.makedirs(d, exist_ok=True)
+    return d
+
+
+def build(src: str, key: tuple, macros=(), text: str | None = None, names=None):
+    """The emulator's build of module (src, key): (ctypes library, instance names). ``text``
+    and ``names`` replace the source's text and instances (the emulator's own tests)."""
+    names = tuple(K._names(src, key) if names is None else names)
+    k = (src, key, tuple(macros), asan(), tsan(), text, names)
+    with _lock:
+        if k in _libs:
+            return _libs[k]
+        code = emu_source(src, names, text)
+        hdr = open(os.path.join(EMU_DIR, "sdm_emu.h")).read()
+        flags = _flags(macros)
+        h = hashlib.sha256("\0".join([code, hdr, compiler(), *flags]).encode()).hexdigest()[:24]
+        so = os.path.join(cache_dir(), f"{src}-{h}.so")
+        if not os.path.exists(so):
+            cpp = so[:-3] + ".cpp"
+            with open(cpp, "w") as f:
+                f.write(code)
+            tmp = f"{so}.{os.getpid()}.tmp"
+            r = subprocess.run([compiler(), *flags, cpp, "-o", tmp], capture_output=True, text=True)
+            if r.returncode:
+                raise RuntimeError(f"emulator build of {src} {key} failed:\n{r.stderr[:6000]}")
+            os.replace(tmp, so)
+        lib = ctypes.CDLL(so)
+        lib.sdm_emu_error.restype = ctypes.c_char_p
+        _libs[k] = (lib, names)
+        return _libs[k]
+
+
+class EmulatorError(RuntimeError):
+    pass
+
+
+class Function:
+    """One kernel instance, called like a CuPy RawKernel: fn(grid, block, args, shared_mem)."""
+
+    def __init__(self, src, key, name, macros=(), seeds=None, log=None, text=None, names=None):
+        self.lib, names = build(src, key, macros, text, names)
+        self.name = name
+        self.fn = getattr(self.lib, f"sdm_emu_launch_{names.index(name)}")
+        self.fn.restype = ctypes.c_int
+        self.fn.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_int,
+                            ctypes.c_longlong, ctypes.c_ulonglong]
+        self.seeds = seeds
+        self.log = log
+        self.max_dynamic_shared_size_bytes = 48 * 1024
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        keep, ptrs = [], []
+        for a in args:
+            if isinstance(a, np.ndarray):
+                cell = ctypes.c_void_p(a.ctypes.data)
+            elif isinstance(a, np.generic):
+                cell = np.array(a)   # the value's own bytes (a pointer for `err`)
+            else:
+                raise TypeError(f"{self.name}: argument of type {type(a).__name__}")
+            keep.append(cell)
+            ptrs.append(ctypes.addressof(cell) if isinstance(cell, ctypes.c_void_p)
+                        else cell.ctypes.data)
+        if shared_mem > self.max_dynamic_shared_size_bytes:
+            raise EmulatorError(f"{self.name}: {shared_mem} bytes of shared memory above the "
+                                f"function's limit {self.max_dynamic_shared_size_bytes}")
+        arr = (ctypes.c_void_p * len(ptrs))(*ptrs)
+        seed = next(self.seeds) if self.seeds is not None else 0
+        if self.log is not None:
+            self.log.append((self.name, int(grid[0]), int(block[0]), int(shared_mem)))
+        rc = self.fn(arr, int(grid[0]), int(block[0]), int(shared_mem), seed)
+        if rc:
+            raise EmulatorError(f"{self.name}: {self.lib.sdm_emu_error().decode()}")
+
+
+def _poisoned_empty(shape, dtype=float):
+    """cupy.empty's stand-in: memory that is not zero (all bits set: NaN for floats, -1 for
+    ints), so that a kernel reading what nobody wrote is seen."""
+    a = np.empty(shape, dtype)
+    a.view(np.uint8)[...] = 0xFF
+    return a
+
+
+def fake_cupy() -> types.ModuleType:
+    m = types.ModuleType("cupy")
+    m.empty = _poisoned_empty
+    m.zeros = lambda shape, dtype=float: np.zeros(shape, dtype)
+    m.asarray = np.asarray
+    m.ndarray = np.ndarray
+    m.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(deviceSynchronize=lambda: None))
+    return m
+
+
+def patch(monkeypatch, seed: int = 0, macros=(), log=None):
+    """Makes ``sdm_cupy.kernels.gpu`` launch on the emulator (CuPy replaced by NumPy, the
+    device limits an H200's). Returns the error word (a NumPy int32 the kernels set)."""
+    from sdm_cupy.kernels import gpu
+
+    def seeds():
+        s = seed
+        while True:
+            yield s
+            s += 1
+
+    it = seeds()
+    err = np.zeros(1, np.int32)
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy())
+    monkeypatch.setattr(gpu, "_device_limits", lambda: H200)
+    monkeypatch.setattr(gpu, "_error_word", lambda: err.ctypes.data)
+    monkeypatch.setattr(gpu, "_err_ptr", err.ctypes.data)
+    monkeypatch.setattr(gpu, "_aligned", lambda x, N: x.ctypes.data % (N * x.itemsize) == 0)
+    monkeypatch.setattr(gpu, "_rows16", lambda x, lay, pl: (
+        x.ctypes.data % 16 == 0 and (lay.hd * x.itemsize) % 16 == 0
+        and (pl.TW * x.itemsize) % 16 == 0))
+    monkeypatch.setattr(K, "get_function",
+                        lambda src, key, name: Function(src, key, name, macros, it, log))
+    gpu._PLANS.clear()
+    return err

@@ -1,0 +1,81 @@
+"""How many kernel bugs does the emulated suite catch? Mutation runs of tests/test_emulated_kernels.
+
+Each mutant is a copy of kernels/ with one barrier (`__syncthreads();`) or one cp.async wait
+(`cp_wait<K>();`) removed; a set of the emulated tests runs against it in a child process
+(SDM_EMU_KERNELS points the emulator at the copy). A mutant is killed when a test fails or the
+emulator refuses the launch. Some removals are harmless by design (a barrier that only orders
+reads after reads, say): a surviving mutant is a question to look at, not always a gap.
+
+    python tests/emu/mutants.py [--only fwd,bwd,prepass] [--limit N]
+
+prints one line per mutant and a table per source last."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+KERNELS = os.path.join(ROOT, "kernels")
+FILES = {"fwd": "sdm_fwd.cu", "bwd": "sdm_bwd.cu", "prepass": "sdm_prepass.cu"}
+SUBSET = ("test_kernels_match_reference and (f64-C16-tile6 or f64-C1 or f32-bwd-ranges-256 or "
+          "bf16-staged or bf16-kept or f32-decode-W80 or f32-hd36-tile8) or "
+          "test_forward_is_bitwise or test_bad_ids and C64-f32 or "
+          "test_quantized_snapshots_match_the_cpu_backend and f32-int8")
+PATTERN = re.compile(r"__syncthreads\(\);|cp_wait<\w+>\(\);")
+
+
+def mutants(only):
+    for src in only:
+        text = open(os.path.join(KERNELS, FILES[src])).read()
+        for m in PATTERN.finditer(text):
+            line = text.count("\n", 0, m.start()) + 1
+            if text[text.rfind("\n", 0, m.start()) + 1:m.start()].lstrip().startswith("//"):
+                continue
+            yield src, line, m.group(0), text[:m.start()] + ";" + text[m.end():]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="fwd,bwd,prepass")
+    ap.add_argument("--limit", type=int, default=0)
+    a = ap.parse_args()
+    results = []
+    todo = list(mutants(a.only.split(",")))[:a.limit or None]
+    for i, (src, line, what, text) in enumerate(todo, 1):
+        d = tempfile.mkdtemp(prefix="sdm-mutant-")
+        try:
+            for f in os.listdir(KERNELS):
+                if f.endswith((".cu", ".cuh")):
+                    shutil.copy(os.path.join(KERNELS, f), d)
+            with open(os.path.join(d, FILES[src]), "w") as f:
+                f.write(text)
+            env = dict(os.environ, SDM_EMU_KERNELS=d)
+            t = time.time()
+            r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                                os.path.join(ROOT, "tests", "test_emulated_kernels.py"), "-k", SUBSET],
+                               env=env, capture_output=True, text=True, timeout=900)
+            out = r.stdout.strip().splitlines()
+            killed = r.returncode != 0
+            why = next((ln for ln in out if ln.startswith("FAILED")), out[-1] if out else "")
+            results.append((src, line, what, killed))
+            print(f"[{i}/{len(todo)}] {src}:{line} {what:18s} {'killed' if killed else 'SURVIVED'} "
+                  f"({time.time() - t:.0f} s) {why[:150]}", flush=True)
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+    print(f"\n{'source':8s} {'mutants':>8s} {'killed':>7s}  survivors")
+    for src in a.only.split(","):
+        rows = [r for r in results if r[0] == src]
+        surv = [f"{r[1]}:{r[2]}" for r in rows if not r[3]]
+        print(f"{src:8s} {len(rows):8d} {sum(r[3] for r in rows):7d}  {', '.join(surv) or '-'}")
+
+
+if __name__ == "__main__":
+    main()

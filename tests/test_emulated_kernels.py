@@ -1,0 +1,306 @@
+"""The CUDA kernels themselves, run on the CPU by the emulator of ``tests/emu`` (marker
+``emu``; no GPU needed, so CI runs them).
+
+``kernels/gpu.py`` launches ``kernels/*.cu`` here exactly as on a device (same plans, instances,
+arguments, block sizes and shared memory), with every CUDA thread a fiber and the blocks and
+threads in a seeded random order. Checked: the float64 reference (readings, final bank, every
+gradient, the bank rewound bit for bit) over the launcher's paths; quantized snapshots against
+the CPU backend; bad ids skipped, flagged and kept inside the bank; the forward bitwise the same
+whatever the order of blocks and threads. ``test_kernels_under_address_sanitizer`` runs a set of
+these again in a child process with AddressSanitizer watching every global and shared access.
+The emulator's own checks (a barrier not every thread reaches, a cp.async read before its
+wait) have tests of their own at the end. Not covered here: speed, and float32 subnormals under
+the device's ``-ftz`` (the GPU suite covers both)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import emu
+import sdm_cupy as sdm
+from helpers import BF16, assert_close, make_problem, reference_bwd, reference_fwd
+
+_why = emu.available()
+pytestmark = [pytest.mark.emu, pytest.mark.skipif(_why is not None, reason=str(_why))]
+
+GRADS = ("bank", "write_w", "values", "beta", "read_w")
+TOL = {np.dtype(np.float64): (1e-9, 1e-9), np.dtype(np.float32): (1e-4, 1e-4),
+       np.dtype(np.float16): (3e-2, 5e-2), BF16: (3e-2, 5e-2)}   # (forward, gradients)
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    """gpu.* launching on the emulator; returns (the knob setter, the error word)."""
+    from sdm_cupy.kernels import gpu
+    err = emu.patch(monkeypatch, seed=int.from_bytes(os.urandom(4), "little"))
+
+    def knobs(**kw):
+        for k, v in kw.items():
+            monkeypatch.setattr(gpu, k, v)
+    yield knobs, err
+    gpu._PLANS.clear()
+
+
+def _run(pb, cfg, dr, dM, bank=None):
+    """gpu.sdm_fwd with snapshots, then gpu.sdm_bwd: (readings, final bank, grads, rewound)."""
+    from sdm_cupy.kernels import gpu
+    lay = sdm._validate.layout(pb.bank, *pb.inputs, cfg)
+    wd, idx = lay.weight_dtype, lay.index_dtype
+    inputs = (pb.write_idx.astype(idx), pb.write_w.astype(wd), pb.values,
+              pb.beta.astype(wd), pb.read_idx.astype(idx), pb.read_w.astype(wd))
+    if bank is None:
+        bank = pb.bank.copy()
+    gpu.check_config(lay, cfg)
+    r, snaps = gpu.sdm_fwd(lay, cfg, bank, *inputs, save_snapshots=True)
+    fin = bank.copy()
+    gpu.check_backward(lay, cfg, snaps)
+    g = gpu.sdm_bwd(lay, cfg, bank, inputs, snaps, dr.astype(lay.value_dtype),
+                    None if dM is None else dM.astype(lay.grad_bank_dtype))
+    return r, fin, g, bank
+
+
+def _cfg(pb, C=64, **kw):
+    return sdm.SDMConfig(num_memory_slots=pb.S, num_parallel=pb.P, chunk_size=C, **kw)
+
+
+SMALL = dict(B=2, T=70, P=2, hd=32, S=40, W=5)
+CASES = {   # name: (make_problem arguments, SDMConfig arguments, gpu knobs)
+    "f64-C16-tile6": (dict(B=2, T=37, P=2, hd=20, S=40, W=5), dict(C=16), dict(TILE_WIDTH=6)),
+    "f64-C5-repeated": (dict(B=2, T=37, P=2, hd=20, S=6, W=4), dict(C=5), {}),
+    "f64-C1": (dict(B=2, T=9, P=2, hd=20, S=40, W=5), dict(C=1), {}),
+    "f64-B1-P1-W1": (dict(B=1, T=45, P=1, hd=8, S=7, W=1), dict(C=16), {}),
+    "f32": (dict(SMALL, dtype=np.float32), {}, {}),
+    "f32-bwd-ranges-256": (dict(SMALL, dtype=np.float32), dict(C=8),
+                           dict(BWD_SCRATCH=1, BWD_THREADS=256)),
+    "f32-bwd-tile4-96": (dict(SMALL, dtype=np.float32), dict(C=8),
+                         dict(BWD_THREADS=96, BWD_TILE_WIDTH=4)),
+    "bf16-staged": (dict(SMALL, dtype=BF16), {}, dict(STAGE_READS=True)),
+    "bf16-kept": (dict(SMALL, dtype=BF16), {}, dict(STAGE_READS=False)),
+    "bf16-hd20-partial": (dict(B=1, T=50, P=3, hd=20, S=64, W=4, dtype=BF16), dict(C=16), {}),
+    "f16-reread": (dict(SMALL, dtype=np.float16), {}, dict(STAGE_READS=False, KEEP_ROWS=False)),
+    "f32-bank-bf16-values": (dict(SMALL, dtype=np.float32, value_dtype=BF16), {}, {}),
+    "bf16-bank-f64-values": (dict(SMALL, dtype=BF16, value_dtype=np.float64), {}, {}),
+    "f32-hd36-tile8": (dict(SMALL, hd=36, dtype=np.float32), {}, dict(TILE_WIDTH=8)),
+    "f32-int64-ids": (dict(SMALL, dtype=np.float32, index_dtype=np.int64), {}, {}),
+    "f32-decode-W40": (dict(B=2, T=3, P=2, hd=24, S=20, W=40, dtype=np.float32), dict(C=1), {}),
+    "f32-decode-W80": (dict(B=2, T=3, P=2, hd=24, S=20, W=80, dtype=np.float32), dict(C=1), {}),
+    "bf16-grad-bank-bf16": (dict(SMALL, dtype=BF16), dict(grad_bank_fp32=False), {}),
+    "bf16-W16-hd128": (dict(B=1, T=80, P=2, hd=128, S=300, W=16, dtype=BF16), {}, {}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernels_match_reference(rng, emulated, case):
+    knobs, err = emulated
+    pkw, ckw, kn = CASES[case]
+    knobs(**kn)
+    pb = make_problem(rng, **pkw)
+    # the coarser of the bank's and the values' dtypes (readings come in the values' dtype)
+    ftol, gtol = max(TOL[pb.bank.dtype], TOL[pb.values.dtype])
+    cfg = _cfg(pb, **ckw)
+    dr = rng.normal(size=pb.values.shape)
+    dM = rng.normal(size=pb.bank.shape) if "grad_bank_fp32" not in ckw else None
+    r, fin, g, rewound = _run(pb, cfg, dr, dM)
+    r_ref, fin_ref = reference_fwd(pb)
+    assert_close(r, r_ref, ftol, "readings")
+    assert_close(fin, fin_ref, ftol, "final bank")
+    for name, got, want in zip(GRADS, g, reference_bwd(pb, dr, dM)):
+        assert_close(got, want, gtol, f"grad {name}")
+    assert np.array_equal(rewound.view(np.uint8), pb.bank.view(np.uint8)), "rewound bank"
+    assert err[0] == 0, f"error word {err[0]} with valid ids"
+
+
+QUANT = {"f32-bf16": (np.float32, "bf16"), "f32-fp8": (np.float32, "fp8_e4m3"),
+         "f32-int8": (np.float32, "int8"), "bf16-fp8": (BF16, "fp8_e4m3"),
+         "bf16-int8-hd20": (BF16, "int8")}
+
+
+@pytest.mark.parametrize("case", list(QUANT))
+def test_quantized_snapshots_match_the_cpu_backend(rng, emulated, case):
+    """The rewind through bf16 / fp8 / int8 snapshots: the emulated kernels' gradients and
+    rewound bank against the CPU backend's (same quantization, SPEC §5)."""
+    dtype, mode = QUANT[case]
+    hd = 20 if case.endswith("hd20") else 32
+    pb = make_problem(rng, **dict(SMALL, hd=hd, dtype=dtype))
+    cfg = _cfg(pb, 16, snapshot_quant=mode)
+    dr = rng.normal(size=pb.values.shape).astype(dtype)
+    r, fin, g, rewound = _run(pb, cfg, dr, None)
+    res = sdm.forward(*pb.args(), cfg)   # NumPy arrays: the CPU backend
+    gc = sdm.backward(res.saved, dr)
+    tol = 1e-4 if dtype == np.float32 else 2e-2
+    assert_close(r, res.readings, tol, "readings gpu vs cpu")
+    for name, got in zip(GRADS, g):
+        assert_close(got, getattr(gc, name), tol, f"grad {name} gpu vs cpu")
+    assert_close(rewound, res.bank, tol, "rewound bank gpu vs cpu")
+
+
+@pytest.mark.parametrize("case", [(1, np.float64, 40, 16, 4), (8, np.float64, 40, 16, 4),
+                                  (64, np.float32, 150, 32, 12), (64, BF16, 150, 32, 12)],
+                         ids=["C1-f64", "C8-f64", "C64-f32", "C64-bf16"])
+def test_bad_ids_are_skipped_flagged_and_stay_in_bounds(rng, emulated, case):
+    """Ids outside [0, S) (what check_indices=False lets through): the error word is set, the
+    entry counts as weight 0, and nothing outside the bank is read into or written."""
+    _, err = emulated
+    C, dtype, T, hd, W = case
+    pb = make_problem(rng, B=2, T=T, P=2, hd=hd, S=32 if W == 4 else 300, W=W, dtype=dtype)
+    bad_w, bad_r = pb.write_idx.copy(), pb.read_idx.copy()
+    bad_w[0, 3, 1, 2] = pb.S
+    bad_w[1, 7, 0, 0] = -5
+    bad_r[1, 30, 1, 3] = 10 ** 6
+    bad_r[0, T - 1, 0, W - 1] = pb.S + 7
+    bad_w[1, T - 2, 1, W - 1] = 10 ** 6
+    bad_r[1, T // 2, 0, 0] = -1
+    pad = 8
+    big = rng.normal(size=(2 * pad + pb.B * pb.S, pb.P * pb.hd)).astype(dtype)
+    big[pad:pad + pb.B * pb.S] = pb.bank
+    guard = big.copy()
+    bank = big[pad:pad + pb.B * pb.S]
+    bad = dataclasses.replace(pb, write_idx=bad_w, read_idx=bad_r)
+    dr = rng.normal(size=pb.values.shape)
+    r, fin, g, rewound = _run(bad, _cfg(pb, C), dr, None, bank=bank)
+    assert err[0] != 0, "bad ids did not set the error word"
+    mask_w, mask_r = (bad_w < 0) | (bad_w >= pb.S), (bad_r < 0) | (bad_r >= pb.S)
+    fixed = dataclasses.replace(pb, write_idx=np.where(mask_w, 0, bad_w),
+                                read_idx=np.where(mask_r, 0, bad_r),
+                                write_w=np.where(mask_w, 0, pb.write_w),
+                                read_w=np.where(mask_r, 0, pb.read_w))
+    ftol, gtol = TOL[np.dtype(dtype)]
+    r_ref, fin_ref = reference_fwd(fixed)
+    assert_close(r, r_ref, ftol, "readings with skipped ids")
+    assert_close(fin, fin_ref, ftol, "final bank with skipped ids")
+    outside = np.r_[0:pad, pad + pb.B * pb.S:2 * pad + pb.B * pb.S]
+    assert np.array_equal(big[outside].view(np.uint8), guard[outside].view(np.uint8)), \
+        "rows outside the bank were written"
+    assert np.array_equal(rewound.view(np.uint8), pb.bank.view(np.uint8)), "rewound bank"
+    want = reference_bwd(fixed, dr, None)
+    assert_close(g[2], want[2], gtol, "grad values with skipped ids")
+    assert_close(g[0], want[0], gtol, "grad bank with skipped ids")
+    assert float(abs(g[1][mask_w]).max()) == 0.0 and float(abs(g[4][mask_r]).max()) == 0.0
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
+def test_forward_is_bitwise_the_same_in_any_block_and_thread_order(rng, monkeypatch, dtype):
+    """Three seeds, three orders of blocks and of threads between barriers: readings, final
+    bank and snapshots bit for bit the same (a race inside a block would show here)."""
+    from sdm_cupy.kernels import gpu
+    pb = make_problem(rng, **dict(SMALL, S=12, dtype=dtype))   # S = 12: slots repeat
+    cfg = _cfg(pb, 16)
+    lay = sdm._validate.layout(pb.bank, *pb.inputs, cfg)
+    outs = []
+    for seed in (1, 2, 3):
+        emu.patch(monkeypatch, seed=seed * 7919)
+        bank = pb.bank.copy()
+        r, snaps = gpu.sdm_fwd(lay, cfg, bank, *pb.inputs, save_snapshots=True)
+        outs.append([a.view(np.uint8).copy() for a in (r, bank, snaps[0])])
+    for other in outs[1:]:
+        for name, a, b in zip(("readings", "final bank", "snapshots"), outs[0], other):
+            assert np.array_equal(a, b), f"{name} differ between block/thread orders"
+
+
+def test_expand_and_sum_memory_batch(rng, emulated):
+    from sdm_cupy.kernels import gpu
+    for dt in (np.float64, np.float32, np.float16, BF16):
+        param = rng.normal(size=(37, 12)).astype(dt)
+        out = gpu.expand_memory_batch(param, 3)
+        assert np.array_equal(out.view(np.uint8), np.tile(param, (3, 1)).view(np.uint8))
+        g = rng.normal(size=(3 * 37, 12)).astype(dt)
+        want = g.astype(np.float64).reshape(3, 37, 12).sum(0)
+        assert_close(gpu.sum_memory_batch(g, 37), want, 1e-12 if dt == np.float64 else 1e-2,
+                     f"sum_memory_batch {np.dtype(dt)}")
+
+
+# ---- the emulator's own checks ----------------------------------------------------------------
+SELF = r"""
+#include "sdm_common.cuh"
+namespace sdm {
+// mode 0: copies row `blockIdx.x` of src into shared memory with cp.async, waits, syncs, and
+//         writes it back reversed; 1: the same without the wait; 2: a barrier only even
+//         threads reach; 3: one warp's shuffle with half its lanes; 4: writes one past the end
+template <typename T>
+__global__ void selftest_kernel(const T* src, T* dst, int n, int mode) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* s = reinterpret_cast<T*>(smem);
+  const int t = threadIdx.x;
+  if (mode <= 1) {
+    if (t < n) cp_async<sizeof(T)>(s + t, src + blockIdx.x * n + t);
+    cp_commit();
+    if (mode == 0) cp_wait<0>();
+    __syncthreads();
+    if (t < n) dst[blockIdx.x * n + t] = s[n - 1 - t];
+  } else if (mode == 2) {
+    if (t % 2 == 0) __syncthreads();
+  } else if (mode == 3) {
+    if (t % 32 < 16) dst[t] = __shfl_xor_sync(0xffffffffu, src[t], 1);
+  } else if (mode == 4) {
+    if (t == 0) dst[gridDim.x * n] = T(1);
+  }
+}
+}  // namespace sdm
+"""
+
+
+def _selftest(mode, n=32, grid=3):
+    name = "sdm::selftest_kernel<float>"
+    text = emu.K.inline_header(SELF)
+    fn = emu.Function("selftest", (), name, text=text, names=(name,))
+    src = np.arange(grid * n, dtype=np.float32)
+    dst = np.zeros(grid * n, np.float32)
+    fn((grid,), (64,), (src, dst, np.int32(n), np.int32(mode)), shared_mem=4 * n)
+    return src, dst
+
+
+def test_emulator_lands_cp_async_at_its_wait():
+    src, dst = _selftest(0)
+    assert np.array_equal(dst.reshape(3, -1), src.reshape(3, -1)[:, ::-1])
+    _, dst = _selftest(1)   # read before the wait: the poisoned shared memory, not the rows
+    assert not np.array_equal(dst.reshape(3, -1), src.reshape(3, -1)[:, ::-1])
+
+
+@pytest.mark.parametrize("mode, message", [(2, "deadlock|at __syncthreads|__syncthreads after"),
+                                           (3, "warp operation|deadlock")])
+def test_emulator_refuses_divergent_barriers_and_partial_warps(mode, message):
+    with pytest.raises(emu.EmulatorError, match=message):
+        _selftest(mode)
+
+
+# ---- AddressSanitizer -------------------------------------------------------------------------
+ASAN_CASES = ["f64-C16-tile6", "f64-C1", "f32-bwd-ranges-256", "bf16-staged", "bf16-kept",
+              "bf16-hd20-partial", "f16-reread", "f32-hd36-tile8", "f32-decode-W80",
+              "bf16-W16-hd128"]
+
+
+@pytest.mark.skipif(emu.asan(), reason="the driver of the AddressSanitizer run")
+def test_kernels_under_address_sanitizer(tmp_path):
+    """A child process runs a set of the tests above (all four bad-id cases included) with the
+    kernels built with AddressSanitizer: any read or write outside an array, global or shared,
+    fails it; and a kernel that writes one element past its array is caught."""
+    try:
+        env = emu.asan_env()
+    except (subprocess.CalledProcessError, OSError) as e:
+        pytest.skip(f"no libasan for {emu.compiler()}: {e}")
+    env["SDM_EMU_CACHE"] = os.environ.get("SDM_EMU_CACHE", "") or emu.cache_dir()
+    sel = " or ".join([f"test_kernels_match_reference[{c}]" for c in ASAN_CASES]
+                      + ["test_bad_ids", "test_quantized_snapshots_match_the_cpu_backend[bf16-fp8]",
+                         "test_asan_catches"])
+    here = os.path.dirname(os.path.abspath(__file__))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+           os.path.join(here, "test_emulated_kernels.py"), "-k", sel]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+    tail = (r.stdout + r.stderr)[-6000:]
+    assert r.returncode == 0, f"AddressSanitizer run failed:\n{tail}"
+    assert "passed" in r.stdout and "AddressSanitizer" not in r.stdout + r.stderr, tail
+
+
+@pytest.mark.skipif(not emu.asan(), reason="runs inside test_kernels_under_address_sanitizer")
+def test_asan_catches_a_write_past_the_end():
+    code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
+            "import test_emulated_kernels as t; t._selftest(4)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env=os.environ.copy(), timeout=600)
+    assert r.returncode != 0 and "heap-buffer-overflow" in r.stderr, r.stderr[-3000:]
