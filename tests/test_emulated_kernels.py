@@ -92,6 +92,11 @@ CASES = {   # name: (make_problem arguments, SDMConfig arguments, gpu knobs)
     "f32-decode-W80": (dict(B=2, T=3, P=2, hd=24, S=20, W=80, dtype=np.float32), dict(C=1), {}),
     "bf16-grad-bank-bf16": (dict(SMALL, dtype=BF16), dict(grad_bank_fp32=False), {}),
     "bf16-W16-hd128": (dict(B=1, T=80, P=2, hd=128, S=300, W=16, dtype=BF16), {}, {}),
+    # sub-chunk snapshots (the forward keeps its chunk, the backward walks halves of it) with
+    # the backward's dM stage: T not a multiple of either chunk
+    "f32-W32-sub": (dict(B=1, T=101, P=2, hd=32, S=300, W=32, dtype=np.float32), {}, {}),
+    "f64-W32-sub": (dict(B=1, T=70, P=1, hd=32, S=200, W=32), {}, {}),
+    "bf16-W16-hd64-sub": (dict(B=2, T=75, P=1, hd=64, S=40, W=16, dtype=BF16), {}, {}),
 }
 
 
@@ -104,6 +109,10 @@ def test_kernels_match_reference(rng, emulated, case):
     # the coarser of the bank's and the values' dtypes (readings come in the values' dtype)
     ftol, gtol = max(TOL[pb.bank.dtype], TOL[pb.values.dtype])
     cfg = _cfg(pb, **ckw)
+    if case.endswith("-sub"):   # the case exists for this path: it must take it
+        from sdm_cupy.kernels import gpu
+        lay = sdm._validate.layout(pb.bank, *pb.inputs, cfg)
+        assert gpu.plan(lay, cfg, quant=None, saves=True).sub, f"{case}: no sub-chunks"
     dr = rng.normal(size=pb.values.shape)
     dM = rng.normal(size=pb.bank.shape) if "grad_bank_fp32" not in ckw else None
     r, fin, g, rewound = _run(pb, cfg, dr, dM)
