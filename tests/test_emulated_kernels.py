@@ -267,7 +267,7 @@ def _selftest(mode, n=32, grid=3):
 def test_emulator_lands_cp_async_at_its_wait():
     src, dst = _selftest(0)
     assert np.array_equal(dst.reshape(3, -1), src.reshape(3, -1)[:, ::-1])
-    _, dst = _selftest(1)   # read before the wait: the poisoned shared memory, not the rows
+    _, dst = _selftest(1)   # read before the wait: some poisoned shared memory, not the rows
     assert not np.array_equal(dst.reshape(3, -1), src.reshape(3, -1)[:, ::-1])
 
 
@@ -280,7 +280,7 @@ def test_emulator_refuses_divergent_barriers_and_partial_warps(mode, message):
 
 # ---- AddressSanitizer -------------------------------------------------------------------------
 ASAN_CASES = ["f64-C16-tile6", "f64-C1", "f32-bwd-ranges-256", "bf16-staged", "bf16-kept",
-              "bf16-hd20-partial", "f16-reread", "f32-hd36-tile8", "f32-decode-W80",
+              "bf16-hd20-partial", "f32-hd36-tile8", "f32-decode-W80",
               "bf16-W16-hd128"]
 
 

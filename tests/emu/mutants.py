@@ -6,7 +6,7 @@ Each mutant is a copy of kernels/ with one barrier (`__syncthreads();`) or one c
 emulator refuses the launch. Some removals are harmless by design (a barrier that only orders
 reads after reads, say): a surviving mutant is a question to look at, not always a gap.
 
-    python tests/emu/mutants.py [--only fwd,bwd,prepass] [--limit N]
+    python tests/emu/mutants.py [--only fwd,bwd,prepass] [--limit N] [--skip N] [--timeout S]
 
 prints one line per mutant and a table per source last."""
 
@@ -46,10 +46,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="fwd,bwd,prepass")
     ap.add_argument("--limit", type=int, default=0)
+    ap.add_argument("--skip", type=int, default=0, help="start after this many mutants")
+    ap.add_argument("--timeout", type=int, default=300, help="seconds per mutant")
     a = ap.parse_args()
     results = []
     todo = list(mutants(a.only.split(",")))[:a.limit or None]
     for i, (src, line, what, text) in enumerate(todo, 1):
+        if i <= a.skip:
+            continue
         d = tempfile.mkdtemp(prefix="sdm-mutant-")
         try:
             for f in os.listdir(KERNELS):
@@ -59,12 +63,17 @@ def main():
                 f.write(text)
             env = dict(os.environ, SDM_EMU_KERNELS=d)
             t = time.time()
-            r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                                os.path.join(ROOT, "tests", "test_emulated_kernels.py"), "-k", SUBSET],
-                               env=env, capture_output=True, text=True, timeout=900)
-            out = r.stdout.strip().splitlines()
-            killed = r.returncode != 0
-            why = next((ln for ln in out if ln.startswith("FAILED")), out[-1] if out else "")
+            try:
+                r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p",
+                                    "no:cacheprovider", os.path.join(ROOT, "tests",
+                                                                     "test_emulated_kernels.py"),
+                                    "-k", SUBSET], env=env, capture_output=True, text=True,
+                                   timeout=a.timeout)
+                out = r.stdout.strip().splitlines()
+                killed = r.returncode != 0
+                why = next((ln for ln in out if ln.startswith("FAILED")), out[-1] if out else "")
+            except subprocess.TimeoutExpired:   # a kernel that never ends: a hang on a GPU too
+                killed, why = True, f"hung (no end after {a.timeout} s)"
             results.append((src, line, what, killed))
             print(f"[{i}/{len(todo)}] {src}:{line} {what:18s} {'killed' if killed else 'SURVIVED'} "
                   f"({time.time() - t:.0f} s) {why[:150]}", flush=True)

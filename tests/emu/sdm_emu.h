@@ -8,8 +8,10 @@
 // error with its message, never a hang):
 //   - __syncthreads reached by only part of the block, or after some threads returned;
 //   - a warp operation without all 32 lanes, lanes at different operations, a partial mask;
-//   - cp.async copies land only at the cp.async.wait_group that covers them (so a read before
-//     the wait sees the old bytes), and copies never waited for are dropped;
+//   - each cp.async copy lands either at once or only at the cp.async.wait_group that covers
+//     it (a coin toss per copy): a read before the wait may see the old bytes, and a write
+//     issued before the other threads are done with the old bytes may overwrite them; copies
+//     never waited for are dropped;
 //   - __trap.
 // Built with -fsanitize=thread (tests/emu.py, SDM_EMU_TSAN=1), unordered accesses of two
 // threads of a block are reported by ThreadSanitizer (see below).
@@ -103,7 +105,9 @@ struct Warp {
   uint64_t buf[2][32];
 };
 
-constexpr size_t STACK = 256 * 1024;
+// a fiber's stack (ThreadSanitizer builds overflowed 256 KiB; AddressSanitizer clears the
+// shadow of the whole stack at every switch, so its stacks stay small)
+constexpr size_t STACK = (SDM_EMU_TSAN ? 2048 : 256) * 1024;
 constexpr size_t GUARD = 4096;
 
 struct State {
@@ -123,6 +127,8 @@ struct State {
   void* body_arg = nullptr;
   char* stacks = nullptr;
   size_t nstacks = 0;
+  uint64_t coin = 1;      // where each cp.async lands (xorshift; its own code, not std's,
+                          // so that ThreadSanitizer sees no emulator state)
   char bar_sync[2];   // TSan sync objects of the block barrier, by generation parity
   void* tsan_sched = nullptr;
   char sched_sync;    // TSan: the scheduler's writes (current fiber, block setup) -> fibers
@@ -249,7 +255,13 @@ inline T of_bits(uint64_t u) {
 SDM_EMU_INTERNAL inline void cp_issue(void* dst, const void* src, int bytes) {
   if ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) % bytes)
     fail("cp.async of %d bytes at a misaligned address", bytes);
-  S.cur->copies.push_back({dst, src, bytes});
+  S.coin ^= S.coin << 13;
+  S.coin ^= S.coin >> 7;
+  S.coin ^= S.coin << 17;
+  if (S.coin & 1)     // lands now: the earliest a GPU may complete it
+    std::memcpy(dst, src, bytes);
+  else                 // lands at the wait that covers it: the latest
+    S.cur->copies.push_back({dst, src, bytes});
 }
 SDM_EMU_INTERNAL inline void cp_commit() { S.cur->groups.push_back(S.cur->copies.size()); }
 SDM_EMU_INTERNAL inline void cp_wait(int k) {
@@ -323,6 +335,7 @@ inline int run(void (*body)(void*), void* arg, int grid, int block, long long sm
   S.bdim = {(unsigned)block, 1, 1};
   S.gdim = {(unsigned)grid, 1, 1};
   std::mt19937_64 rng(seed);
+  S.coin = (seed ^ 0x9e3779b97f4a7c15ull) | 1;
   std::vector<int> blocks(grid), order(block);
   for (int i = 0; i < grid; ++i) blocks[i] = i;
   std::shuffle(blocks.begin(), blocks.end(), rng);
