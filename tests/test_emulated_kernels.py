@@ -7,7 +7,9 @@ threads in a seeded random order. Checked: the float64 reference (readings, fina
 gradient, the bank rewound bit for bit) over the launcher's paths; quantized snapshots against
 the CPU backend; bad ids skipped, flagged and kept inside the bank; the forward bitwise the same
 whatever the order of blocks and threads. ``test_kernels_under_address_sanitizer`` runs a set of
-these again in a child process with AddressSanitizer watching every global and shared access.
+these again in a child process with AddressSanitizer watching every global and shared access;
+``test_no_unknown_race_under_thread_sanitizer`` runs ``tests/emu/racecheck.py`` (ThreadSanitizer:
+any unordered pair of accesses inside a block that is not a known harmless race fails).
 The emulator's own checks (a barrier not every thread reaches, a cp.async read before its
 wait) have tests of their own at the end. Not covered here: speed, and float32 subnormals under
 the device's ``-ftz`` (the GPU suite covers both)."""
@@ -196,19 +198,25 @@ def test_bad_ids_are_skipped_flagged_and_stay_in_bounds(rng, emulated, case):
 @pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
 def test_forward_is_bitwise_the_same_in_any_block_and_thread_order(rng, monkeypatch, dtype):
     """Three seeds, three orders of blocks and of threads between barriers: readings, final
-    bank and snapshots bit for bit the same (a race inside a block would show here)."""
+    bank and snapshots bit for bit the same (a race inside a block would show here), and of
+    the backward, the value gradients and the rewound bank (its weight and bank gradients are
+    sums of atomics, whose last bits may follow the order)."""
     from sdm_cupy.kernels import gpu
     pb = make_problem(rng, **dict(SMALL, S=12, dtype=dtype))   # S = 12: slots repeat
     cfg = _cfg(pb, 16)
     lay = sdm._validate.layout(pb.bank, *pb.inputs, cfg)
+    dr = rng.normal(size=pb.values.shape).astype(dtype)
     outs = []
     for seed in (1, 2, 3):
         emu.patch(monkeypatch, seed=seed * 7919)
         bank = pb.bank.copy()
         r, snaps = gpu.sdm_fwd(lay, cfg, bank, *pb.inputs, save_snapshots=True)
-        outs.append([a.view(np.uint8).copy() for a in (r, bank, snaps[0])])
+        fin = bank.copy()
+        g = gpu.sdm_bwd(lay, cfg, bank, pb.inputs, snaps, dr, None)
+        outs.append([a.view(np.uint8).copy() for a in (r, fin, snaps[0], g[2], bank)])
     for other in outs[1:]:
-        for name, a, b in zip(("readings", "final bank", "snapshots"), outs[0], other):
+        for name, a, b in zip(("readings", "final bank", "snapshots", "value gradients",
+                               "rewound bank"), outs[0], other):
             assert np.array_equal(a, b), f"{name} differ between block/thread orders"
 
 
@@ -224,13 +232,115 @@ def test_expand_and_sum_memory_batch(rng, emulated):
                      f"sum_memory_batch {np.dtype(dt)}")
 
 
+def _random_case(rng):
+    """A random layout, dtype, snapshot mode and set of launcher knobs that the GPU backend
+    accepts: ids drawn from a small S (repeats), T not a multiple of the chunk, a few bad ids
+    now and then (the launcher then gets what check_indices=False lets through)."""
+    from sdm_cupy.kernels import gpu
+    while True:
+        dtype = [np.float64, np.float32, BF16][rng.integers(3)]
+        hd = int(rng.choice([4, 8, 12, 20, 32, 36, 64]))
+        pb = make_problem(rng, B=int(rng.integers(1, 4)), T=int(rng.integers(1, 91)),
+                          P=int(rng.integers(1, 4)), hd=hd, S=int(rng.integers(1, 50)),
+                          W=int(rng.integers(1, 21)), dtype=dtype)
+        quant = [None, None, "bf16", "fp8_e4m3", "int8"][rng.integers(5)]
+        if quant == "bf16" and dtype == BF16:
+            quant = None
+        C = int(rng.choice([1, 2, 5, 8, 16, 32, 64]))
+        knobs = dict(TILE_WIDTH=[None, None, 4, 8, 12][rng.integers(5)],
+                     BWD_THREADS=[512, 256, 96][rng.integers(3)],
+                     KEEP_ROWS=[None, False][rng.integers(2)],
+                     STAGE_READS=[None, False, True][rng.integers(3)],
+                     BWD_SCRATCH=[56 << 20, 1][rng.integers(2)])
+        cfg = _cfg(pb, C, snapshot_quant=quant)
+        lay = sdm._validate.layout(pb.bank, *pb.inputs, cfg)
+        old = {k: getattr(gpu, k) for k in knobs}
+        try:
+            for k, v in knobs.items():
+                setattr(gpu, k, v)
+            sdm._validate.check_snapshot_quant(lay, quant)   # what sdm.forward checks first
+            gpu.check_config(lay, cfg)
+            gpu.backward_plan(lay, cfg, chunk=gpu.plan(lay, cfg, quant=quant, saves=True).C)
+        except (ValueError, RuntimeError):
+            continue
+        finally:
+            for k, v in old.items():
+                setattr(gpu, k, v)
+            gpu._PLANS.clear()
+        if rng.random() < 0.3:   # a few ids outside [0, S)
+            for arr in (pb.write_idx, pb.read_idx):
+                flat = arr.reshape(-1)
+                k = rng.integers(0, flat.size, size=min(3, flat.size))
+                flat[k] = rng.choice([-1, pb.S, pb.S + 7, 10 ** 6], size=k.size)
+        return pb, cfg, knobs
+
+
+def test_random_layouts_knobs_and_modes(emulated):
+    """Six random cases a run (fresh each run, the seed printed): readings, final bank, every
+    gradient and the rewind against the float64 reference (exact snapshots) or the CPU backend
+    (quantized ones), the bad ids of a case skipped and flagged."""
+    knobs_set, err = emulated
+    seed = int(os.environ.get("SDM_RANDOM_CASES_SEED") or int.from_bytes(os.urandom(4), "little"))
+    print(f"random cases seed={seed} (SDM_RANDOM_CASES_SEED={seed} repeats them)")
+    rng = np.random.default_rng(seed)
+    for i in range(6):
+        pb, cfg, knobs = _random_case(rng)
+        knobs_set(**knobs)
+        what = (f"case {i} of seed {seed}: B={pb.B} T={pb.T} P={pb.P} hd={pb.hd} S={pb.S} "
+                f"W={pb.W} {pb.bank.dtype} C={cfg.chunk_size} {cfg.snapshot_quant} {knobs}")
+        bad_w = (pb.write_idx < 0) | (pb.write_idx >= pb.S)
+        bad_r = (pb.read_idx < 0) | (pb.read_idx >= pb.S)
+        fixed = dataclasses.replace(pb, write_idx=np.where(bad_w, 0, pb.write_idx),
+                                    read_idx=np.where(bad_r, 0, pb.read_idx),
+                                    write_w=np.where(bad_w, 0, pb.write_w),
+                                    read_w=np.where(bad_r, 0, pb.read_w))
+        dr = rng.normal(size=pb.values.shape)
+        err[0] = 0
+        r, fin, g, rewound = _run(pb, cfg, dr, None)
+        assert (err[0] != 0) == bool(bad_w.any() or bad_r.any()), f"error word: {what}"
+        ftol, gtol = TOL[pb.bank.dtype]
+        # a skipped entry's weight gradient is 0 (its id has no row); elsewhere the reference's
+        # (whose 0 weight at id 0 would give that entry a gradient of its own)
+        g = list(g)
+        for j, bad in ((1, bad_w), (4, bad_r)):
+            assert not np.abs(g[j][bad]).any(), f"{GRADS[j]} gradient at a bad id, {what}"
+        if cfg.snapshot_quant is None:
+            assert np.array_equal(rewound.view(np.uint8), pb.bank.view(np.uint8)), what
+            r_ref, fin_ref = reference_fwd(fixed)
+            want = list(reference_bwd(fixed, dr, None))
+            tol = (ftol, gtol)
+        else:
+            # the CPU backend with the GPU's chunk: a quantized rewind restores each chunk's
+            # start, so its weight gradients follow the chunking (docs/CHOOSING.md)
+            from sdm_cupy.kernels import cpu, gpu
+            lay = sdm._validate.layout(pb.bank, *pb.inputs, cfg)
+            cap = cpu.CHUNK_CAP
+            cpu.CHUNK_CAP = gpu.plan(lay, cfg, quant=cfg.snapshot_quant, saves=True).C
+            try:
+                res = sdm.forward(*fixed.args(), cfg)
+                gc = sdm.backward(res.saved, dr.astype(pb.values.dtype))
+            finally:
+                cpu.CHUNK_CAP = cap
+            r_ref, fin_ref, want = res.readings, fin, [getattr(gc, n) for n in GRADS]
+            assert_close(rewound, res.bank, 2e-2 if pb.bank.dtype == BF16 else 1e-4,
+                         f"rewound bank gpu vs cpu, {what}")
+            tol = (2e-2, 2e-2) if pb.bank.dtype == BF16 else (1e-4, 1e-4)
+        for j, bad in ((1, bad_w), (4, bad_r)):
+            want[j] = np.where(bad, 0, want[j])
+        assert_close(r, r_ref, tol[0], f"readings, {what}")
+        assert_close(fin, fin_ref, tol[0], f"final bank, {what}")
+        for name, got, w in zip(GRADS, g, want):
+            assert_close(got, w, tol[1], f"grad {name}, {what}")
+
+
 # ---- the emulator's own checks ----------------------------------------------------------------
 SELF = r"""
 #include "sdm_common.cuh"
 namespace sdm {
 // mode 0: copies row `blockIdx.x` of src into shared memory with cp.async, waits, syncs, and
 //         writes it back reversed; 1: the same without the wait; 2: a barrier only even
-//         threads reach; 3: one warp's shuffle with half its lanes; 4: writes one past the end
+//         threads reach; 3: one warp's shuffle with half its lanes; 4: writes one past the end;
+//         5: reads a neighbour's shared word with no barrier in between
 template <typename T>
 __global__ void selftest_kernel(const T* src, T* dst, int n, int mode) {
   extern __shared__ __align__(16) unsigned char smem[];
@@ -248,6 +358,9 @@ __global__ void selftest_kernel(const T* src, T* dst, int n, int mode) {
     if (t % 32 < 16) dst[t] = __shfl_xor_sync(0xffffffffu, src[t], 1);
   } else if (mode == 4) {
     if (t == 0) dst[gridDim.x * n] = T(1);
+  } else if (mode == 5) {   // a neighbour's shared word read without a barrier: a race
+    if (t < n) s[t] = src[blockIdx.x * n + t];
+    if (t < n) dst[blockIdx.x * n + t] = s[t ^ 1];
   }
 }
 }  // namespace sdm
@@ -295,7 +408,7 @@ def test_kernels_under_address_sanitizer(tmp_path):
         pytest.skip(f"no libasan for {emu.compiler()}: {e}")
     env["SDM_EMU_CACHE"] = os.environ.get("SDM_EMU_CACHE", "") or emu.cache_dir()
     sel = " or ".join([f"test_kernels_match_reference[{c}]" for c in ASAN_CASES]
-                      + ["test_bad_ids", "test_quantized_snapshots_match_the_cpu_backend[bf16-fp8]",
+                      + ["test_bad_ids", "test_random_layouts", "test_quantized_snapshots_match_the_cpu_backend[bf16-fp8]",
                          "test_asan_catches"])
     here = os.path.dirname(os.path.abspath(__file__))
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
@@ -306,6 +419,27 @@ def test_kernels_under_address_sanitizer(tmp_path):
     assert "passed" in r.stdout and "AddressSanitizer" not in r.stdout + r.stderr, tail
 
 
+@pytest.mark.skipif(emu.asan() or emu.tsan(), reason="runs in the parent process")
+def test_no_unknown_race_under_thread_sanitizer():
+    """tests/emu/racecheck.py: the kernels built with ThreadSanitizer (barriers order memory,
+    nothing else does), three cases with repeated slots; every unordered pair of accesses
+    inside a block must be one of its known harmless races. And a kernel that reads a
+    neighbour's shared word without a barrier is reported."""
+    try:
+        env = emu.tsan_env()
+    except (subprocess.CalledProcessError, OSError) as e:
+        pytest.skip(f"no libtsan for {emu.compiler()}: {e}")
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import sys; sys.path.insert(0, {here!r}); "
+            "import test_emulated_kernels as t; t._selftest(5)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       cwd="/", timeout=600)
+    assert r.returncode != 0 and "data race" in r.stderr, r.stderr[-3000:]
+    r = subprocess.run([sys.executable, os.path.join(here, "emu", "racecheck.py")],
+                       capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+
+
 @pytest.mark.skipif(not emu.asan(), reason="runs inside test_kernels_under_address_sanitizer")
 def test_asan_catches_a_write_past_the_end():
     code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
@@ -313,3 +447,115 @@ def test_asan_catches_a_write_past_the_end():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        env=os.environ.copy(), timeout=600)
     assert r.returncode != 0 and "heap-buffer-overflow" in r.stderr, r.stderr[-3000:]
+
+
+# ---- a forward's chunk carried to its backward (stops 21-22; their GPU tests await a device) --
+def _inputs(pb, lay):
+    wd, idx = lay.weight_dtype, lay.index_dtype
+    return (pb.write_idx.astype(idx), pb.write_w.astype(wd), pb.values,
+            pb.beta.astype(wd), pb.read_idx.astype(idx), pb.read_w.astype(wd))
+
+
+def _check_all(pb, r, fin, g, rewound, dr, dM, tol):
+    assert np.array_equal(rewound.view(np.uint8), pb.bank.view(np.uint8)), "rewound bank"
+    r_ref, fin_ref = reference_fwd(pb)
+    assert_close(r, r_ref, tol, "readings")
+    assert_close(fin, fin_ref, tol, "final bank")
+    for name, got, want in zip(GRADS, g, reference_bwd(pb, dr, dM)):
+        assert_close(got, want, tol, f"grad {name}")
+
+
+@pytest.mark.parametrize("dtype, B, P, W, hd", [(np.float32, 4, 8, 3, 256),
+                                                (np.float32, 2, 2, 32, 8),
+                                                (np.float64, 4, 8, 8, 128)],
+                         ids=["f32-W3-hd256", "f32-W32-hd8", "f64-W8-hd128"])
+def test_backward_walks_the_forwards_chunks(rng, emulated, dtype, B, P, W, hd):
+    """Layouts where the backward alone would take a shorter chunk than the forward (H200
+    limits): the saving forward takes the backward's chunk, the backward walks it, and every
+    output matches the float64 reference with repeated slots and a partial last chunk."""
+    from sdm_cupy.kernels import gpu
+    pb = make_problem(rng, B=B, T=70, P=P, hd=hd, S=40, W=W, dtype=dtype)
+    cfg = _cfg(pb, 64)
+    lay = sdm._validate.layout(pb.bank, *pb.inputs, cfg)
+    saving, bwd = gpu.plan(lay, cfg, saves=True), gpu.backward_plan(lay, cfg)
+    assert saving.C == bwd.C < gpu.plan(lay, cfg).C, "not the layout this test is for"
+    dr = rng.normal(size=pb.values.shape).astype(dtype)
+    dM = rng.normal(size=pb.bank.shape).astype(dtype)
+    r, fin, g, rewound = _run(pb, cfg, dr, dM)
+    _check_all(pb, r, fin, g, rewound, dr.astype(np.float64), dM.astype(np.float64),
+               1e-4 if dtype == np.float32 else 1e-9)
+
+
+@pytest.mark.parametrize("fwd_chunk, bwd_chunk", [(16, None), (None, 16)])
+def test_knobs_changed_between_forward_and_backward(rng, emulated, fwd_chunk, bwd_chunk):
+    """gpu.FWD_CHUNK changed between a forward and its backward: the backward walks the chunk
+    the snapshots carry, not the one the knobs give by then (float64 reference, exact rewind)."""
+    from sdm_cupy.kernels import gpu
+    knobs, _ = emulated
+    pb = make_problem(rng, B=2, T=70, P=2, hd=24, S=40, W=5)
+    cfg = _cfg(pb, 64)
+    lay = sdm._validate.layout(pb.bank, *pb.inputs, cfg)
+    inputs = _inputs(pb, lay)
+    dr, dM = rng.normal(size=pb.values.shape), rng.normal(size=pb.bank.shape)
+    bank = pb.bank.copy()
+    knobs(FWD_CHUNK=fwd_chunk)
+    r, snaps = gpu.sdm_fwd(lay, cfg, bank, *inputs, save_snapshots=True)
+    fin = bank.copy()
+    knobs(FWD_CHUNK=bwd_chunk)
+    gpu._PLANS.clear()
+    assert snaps.chunk == (fwd_chunk or 32)
+    assert gpu.backward_plan(lay, cfg).C == (bwd_chunk or 32) != snaps.chunk
+    gpu.check_backward(lay, cfg, snaps)
+    g = gpu.sdm_bwd(lay, cfg, bank, inputs, snaps, dr, dM.copy())
+    _check_all(pb, r, fin, g, bank, dr, dM, 1e-9)
+
+
+def test_backward_narrows_its_tiles_for_the_forwards_chunk(rng, emulated):
+    """A forward under gpu.TILE_WIDTH = 8 (float32, hd = 256, W = 8: 64-token chunks), the knob
+    reset before its backward: the backward takes narrower tiles than its own to fit that
+    chunk and still walks it (float64 reference, exact rewind)."""
+    from sdm_cupy.kernels import gpu
+    knobs, _ = emulated
+    pb = make_problem(rng, B=4, T=80, P=8, hd=256, S=64, W=8, dtype=np.float32)
+    cfg = _cfg(pb, 64)
+    lay = sdm._validate.layout(pb.bank, *pb.inputs, cfg)
+    inputs = _inputs(pb, lay)
+    bank = pb.bank.copy()
+    knobs(TILE_WIDTH=8)
+    r, snaps = gpu.sdm_fwd(lay, cfg, bank, *inputs, save_snapshots=True)
+    fin = bank.copy()
+    knobs(TILE_WIDTH=None)
+    gpu._PLANS.clear()
+    own, bwd = gpu.plan(lay, cfg, backward=True), gpu.backward_plan(lay, cfg, chunk=snaps.chunk)
+    assert own.C < snaps.chunk == bwd.C == 64 and bwd.TW < own.TW, (own, bwd)
+    dr = rng.normal(size=pb.values.shape).astype(np.float32)
+    gpu.check_backward(lay, cfg, snaps)
+    g = gpu.sdm_bwd(lay, cfg, bank, inputs, snaps, dr, None)
+    _check_all(pb, r, fin, g, bank, dr.astype(np.float64), None, 1e-4)
+
+
+def test_backward_refused_for_a_chunk_it_no_longer_fits_then_runs(rng, emulated):
+    """A backward tile width forced after the forward that leaves too little shared memory for
+    the forward's chunk: check_backward refuses with the knob named, nothing ran; with the
+    knob restored the backward runs and matches the reference."""
+    from sdm_cupy.kernels import gpu
+    knobs, _ = emulated
+    pb = make_problem(rng, B=1, T=40, P=1, hd=256, S=30, W=8, dtype=np.float32)
+    cfg = _cfg(pb, 64)
+    lay = sdm._validate.layout(pb.bank, *pb.inputs, cfg)
+    inputs = _inputs(pb, lay)
+    bank = pb.bank.copy()
+    r, snaps = gpu.sdm_fwd(lay, cfg, bank, *inputs, save_snapshots=True)
+    fin = bank.copy()
+    knobs(BWD_TILE_WIDTH=pb.hd)
+    gpu._PLANS.clear()
+    with pytest.raises(RuntimeError, match=f"forward that ran {snaps.chunk}-token chunks.*"
+                                           f"BWD_TILE_WIDTH={pb.hd}"):
+        gpu.check_backward(lay, cfg, snaps)
+    assert np.array_equal(bank, fin)
+    knobs(BWD_TILE_WIDTH=None)
+    gpu._PLANS.clear()
+    dr = rng.normal(size=pb.values.shape).astype(np.float32)
+    gpu.check_backward(lay, cfg, snaps)
+    g = gpu.sdm_bwd(lay, cfg, bank, inputs, snaps, dr, None)
+    _check_all(pb, r, fin, g, bank, dr.astype(np.float64), None, 1e-4)

@@ -2,11 +2,14 @@
 
 Each mutant is a copy of kernels/ with one barrier (`__syncthreads();`) or one cp.async wait
 (`cp_wait<K>();`) removed; a set of the emulated tests runs against it in a child process
-(SDM_EMU_KERNELS points the emulator at the copy). A mutant is killed when a test fails or the
-emulator refuses the launch. Some removals are harmless by design (a barrier that only orders
+(SDM_EMU_KERNELS points the emulator at the copy). A mutant is killed when a test fails, the
+emulator refuses the launch, the kernel never ends, or (with --racecheck) ThreadSanitizer finds
+an unordered pair of accesses that is not a known harmless race. Lines inside `#ifdef SDM_...`
+blocks (benchmark-only variants) are skipped. Some removals are harmless by design (a barrier that only orders
 reads after reads, say): a surviving mutant is a question to look at, not always a gap.
 
     python tests/emu/mutants.py [--only fwd,bwd,prepass] [--limit N] [--skip N] [--timeout S]
+                                [--racecheck]
 
 prints one line per mutant and a table per source last."""
 
@@ -32,12 +35,31 @@ SUBSET = ("test_kernels_match_reference and (f64-C16-tile6 or f64-C1 or f32-bwd-
 PATTERN = re.compile(r"__syncthreads\(\);|cp_wait<\w+>\(\);")
 
 
+def _dead_lines(text: str) -> set:
+    """Lines inside `#ifdef SDM_...` blocks (benchmark-only variants the tests never build)."""
+    dead, stack = set(), []
+    for i, ln in enumerate(text.split("\n"), 1):
+        d = ln.strip()
+        if d.startswith("#if"):
+            stack.append(d.startswith("#ifdef SDM_"))
+        elif d.startswith("#else") and stack:
+            stack[-1] = False if stack[-1] else stack[-1]
+        elif d.startswith("#endif") and stack:
+            stack.pop()
+        elif any(stack):
+            dead.add(i)
+    return dead
+
+
 def mutants(only):
     for src in only:
         text = open(os.path.join(KERNELS, FILES[src])).read()
+        dead = _dead_lines(text)
         for m in PATTERN.finditer(text):
             line = text.count("\n", 0, m.start()) + 1
             if text[text.rfind("\n", 0, m.start()) + 1:m.start()].lstrip().startswith("//"):
+                continue
+            if line in dead:
                 continue
             yield src, line, m.group(0), text[:m.start()] + ";" + text[m.end():]
 
@@ -48,6 +70,8 @@ def main():
     ap.add_argument("--limit", type=int, default=0)
     ap.add_argument("--skip", type=int, default=0, help="start after this many mutants")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per mutant")
+    ap.add_argument("--racecheck", action="store_true",
+                    help="run tests/emu/racecheck.py on the mutants the tests let through")
     a = ap.parse_args()
     results = []
     todo = list(mutants(a.only.split(",")))[:a.limit or None]
@@ -74,6 +98,13 @@ def main():
                 why = next((ln for ln in out if ln.startswith("FAILED")), out[-1] if out else "")
             except subprocess.TimeoutExpired:   # a kernel that never ends: a hang on a GPU too
                 killed, why = True, f"hung (no end after {a.timeout} s)"
+            if not killed and a.racecheck:   # second chance: an unordered pair under TSan
+                r = subprocess.run([sys.executable, os.path.join(HERE, "racecheck.py")],
+                                   env=env, capture_output=True, text=True, timeout=1800)
+                if r.returncode:
+                    new = [ln for ln in r.stdout.splitlines() if ln.endswith("NEW: look at it")]
+                    killed, why = True, "racecheck: " + "; ".join(x.split()[0] + " " + x.split()[2]
+                                                              for x in new)[:150]
             results.append((src, line, what, killed))
             print(f"[{i}/{len(todo)}] {src}:{line} {what:18s} {'killed' if killed else 'SURVIVED'} "
                   f"({time.time() - t:.0f} s) {why[:150]}", flush=True)
