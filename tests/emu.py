@@ -126,6 +126,7 @@ def _flags(macros=()) -> list:
 
 _lock = threading.Lock()
 _libs: dict = {}
+_key_locks: dict = {}
 
 
 def cache_dir() -> str:
@@ -135,12 +136,18 @@ def cache_dir() -> str:
     return d
 
 
-def build(src: str, key: tuple, macros=(), text: str | None = None, names=None):
+def build(src: str, key: tuple, macros=(), text: str | None = None, names=None, load=True):
     """The emulator's build of module (src, key): (ctypes library, instance names). ``text``
-    and ``names`` replace the source's text and instances (the emulator's own tests)."""
+    and ``names`` replace the source's text and instances (the emulator's own tests);
+    ``load=False`` only compiles it into the cache (a sanitizer build loads only in a process
+    that runs with the sanitizer's runtime)."""
     names = tuple(K._names(src, key) if names is None else names)
     k = (src, key, tuple(macros), asan(), tsan(), text, names)
     with _lock:
+        if k in _libs:
+            return _libs[k]
+        key_lock = _key_locks.setdefault(k, threading.Lock())
+    with key_lock:   # one compile per module; other modules compile meanwhile (prebuild)
         if k in _libs:
             return _libs[k]
         code = emu_source(src, names, text)
@@ -157,10 +164,30 @@ def build(src: str, key: tuple, macros=(), text: str | None = None, names=None):
             if r.returncode:
                 raise RuntimeError(f"emulator build of {src} {key} failed:\n{r.stderr[:6000]}")
             os.replace(tmp, so)
+        if not load:
+            return None, names
         lib = ctypes.CDLL(so)
         lib.sdm_emu_error.restype = ctypes.c_char_p
-        _libs[k] = (lib, names)
-        return _libs[k]
+        with _lock:
+            _libs[k] = (lib, names)
+        return lib, names
+
+
+def module_keys(bank, values, index=np.int32) -> list:
+    """The (source, key) pairs a forward+backward with these dtypes launches."""
+    bank, values, index = np.dtype(bank), np.dtype(values), np.dtype(index)
+    vk = K.kernel_value_dtype(bank, values)
+    acc = K.compute_dtype(bank, vk)
+    return [("prepass", (acc, index)), ("fwd", (bank, vk, index)), ("bwd", (bank, vk, index))]
+
+
+def prebuild(pairs, workers: int | None = None, load: bool = True) -> None:
+    """Builds these (source, key) modules side by side (g++ runs one core each), so that a
+    cold cache costs the longest chain of compiles rather than their sum."""
+    from concurrent.futures import ThreadPoolExecutor
+    pairs = list(dict.fromkeys(pairs))
+    with ThreadPoolExecutor(workers or os.cpu_count() or 1) as ex:
+        list(ex.map(lambda sk: build(*sk, load=load), pairs))
 
 
 class EmulatorError(RuntimeError):

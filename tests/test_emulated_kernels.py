@@ -36,6 +36,22 @@ TOL = {np.dtype(np.float64): (1e-9, 1e-9), np.dtype(np.float32): (1e-4, 1e-4),
        np.dtype(np.float16): (3e-2, 5e-2), BF16: (3e-2, 5e-2)}   # (forward, gradients)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _prebuilt():
+    """Every module these tests launch, compiled side by side before the first test (under
+    AddressSanitizer: those of its subset)."""
+    if _why is not None or emu.tsan():
+        return
+    combos = [(np.float64, np.float64), (np.float32, np.float32), (BF16, BF16)]
+    if not emu.asan():
+        combos += [(np.float16, np.float16), (BF16, np.float64)]
+    pairs = [p for b, v in combos for p in emu.module_keys(b, v)]
+    if not emu.asan():
+        pairs += emu.module_keys(np.float32, np.float32, np.int64)
+        pairs += [("batch", (np.dtype(d),)) for d in (np.float64, np.float32, np.float16, BF16)]
+    emu.prebuild(pairs)
+
+
 @pytest.fixture
 def emulated(monkeypatch):
     """gpu.* launching on the emulator; returns (the knob setter, the error word)."""
@@ -322,9 +338,13 @@ def test_random_layouts_knobs_and_modes(emulated):
             finally:
                 cpu.CHUNK_CAP = cap
             r_ref, fin_ref, want = res.readings, fin, [getattr(gc, n) for n in GRADS]
-            assert_close(rewound, res.bank, 2e-2 if pb.bank.dtype == BF16 else 1e-4,
-                         f"rewound bank gpu vs cpu, {what}")
-            tol = (2e-2, 2e-2) if pb.bank.dtype == BF16 else (1e-4, 1e-4)
+            # a float64 bank: for bf16 the CPU rounds through float32 (two roundings) where the
+            # GPU rounds the double once, and the 1-byte modes scale in other precisions, so
+            # now and then one value lands one step of the format apart (seen: 2.3e-4
+            # relative in a rewound bank, 1.1e-4 in a gradient)
+            tol = {BF16: (2e-2, 2e-2), np.dtype(np.float64): (1e-3, 1e-3)}.get(
+                pb.bank.dtype, (1e-4, 1e-4))
+            assert_close(rewound, res.bank, tol[0], f"rewound bank gpu vs cpu, {what}")
         for j, bad in ((1, bad_w), (4, bad_r)):
             want[j] = np.where(bad, 0, want[j])
         assert_close(r, r_ref, tol[0], f"readings, {what}")
