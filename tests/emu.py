@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import itertools
 import os
 import re
 import subprocess
@@ -209,17 +210,17 @@ class Function:
         self.max_dynamic_shared_size_bytes = 48 * 1024
 
     def __call__(self, grid, block, args, shared_mem=0):
-        keep, ptrs = [], []
+        # each argument's value in memory of its own: an array's data pointer, a scalar's
+        # bytes (for `err`, the word's address)
+        cells = []
         for a in args:
             if isinstance(a, np.ndarray):
-                cell = ctypes.c_void_p(a.ctypes.data)
+                cells.append(np.array(a.ctypes.data, np.uintp))
             elif isinstance(a, np.generic):
-                cell = np.array(a)   # the value's own bytes (a pointer for `err`)
+                cells.append(np.array(a))
             else:
                 raise TypeError(f"{self.name}: argument of type {type(a).__name__}")
-            keep.append(cell)
-            ptrs.append(ctypes.addressof(cell) if isinstance(cell, ctypes.c_void_p)
-                        else cell.ctypes.data)
+        ptrs = [c.ctypes.data for c in cells]
         if shared_mem > self.max_dynamic_shared_size_bytes:
             raise EmulatorError(f"{self.name}: {shared_mem} bytes of shared memory above the "
                                 f"function's limit {self.max_dynamic_shared_size_bytes}")
@@ -250,28 +251,29 @@ def fake_cupy() -> types.ModuleType:
     return m
 
 
-def patch(monkeypatch, seed: int = 0, macros=(), log=None):
-    """Makes ``sdm_cupy.kernels.gpu`` launch on the emulator (CuPy replaced by NumPy, the
-    device limits an H200's). Returns the error word (a NumPy int32 the kernels set)."""
+def host_arrays(monkeypatch, cupy=None):
+    """``sdm_cupy.kernels.gpu`` on NumPy arrays: CuPy replaced by ``cupy`` (default
+    fake_cupy()), the device limits an H200's, alignment read from the arrays' data pointers.
+    Shared by the emulator and tests/test_launch_args.py (which records launches instead)."""
     from sdm_cupy.kernels import gpu
-
-    def seeds():
-        s = seed
-        while True:
-            yield s
-            s += 1
-
-    it = seeds()
-    err = np.zeros(1, np.int32)
-    monkeypatch.setitem(sys.modules, "cupy", fake_cupy())
+    monkeypatch.setitem(sys.modules, "cupy", cupy or fake_cupy())
     monkeypatch.setattr(gpu, "_device_limits", lambda: H200)
-    monkeypatch.setattr(gpu, "_error_word", lambda: err.ctypes.data)
-    monkeypatch.setattr(gpu, "_err_ptr", err.ctypes.data)
     monkeypatch.setattr(gpu, "_aligned", lambda x, N: x.ctypes.data % (N * x.itemsize) == 0)
     monkeypatch.setattr(gpu, "_rows16", lambda x, lay, pl: (
         x.ctypes.data % 16 == 0 and (lay.hd * x.itemsize) % 16 == 0
         and (pl.TW * x.itemsize) % 16 == 0))
-    monkeypatch.setattr(K, "get_function",
-                        lambda src, key, name: Function(src, key, name, macros, it, log))
     gpu._PLANS.clear()
+
+
+def patch(monkeypatch, seed: int = 0, macros=(), log=None):
+    """Makes ``sdm_cupy.kernels.gpu`` launch on the emulator (host_arrays, every launch with
+    the next seed from ``seed``). Returns the error word (a NumPy int32 the kernels set)."""
+    from sdm_cupy.kernels import gpu
+    seeds = itertools.count(seed)
+    err = np.zeros(1, np.int32)
+    host_arrays(monkeypatch)
+    monkeypatch.setattr(gpu, "_error_word", lambda: err.ctypes.data)
+    monkeypatch.setattr(gpu, "_err_ptr", err.ctypes.data)
+    monkeypatch.setattr(K, "get_function",
+                        lambda src, key, name: Function(src, key, name, macros, seeds, log))
     return err

@@ -16,6 +16,7 @@ the device's ``-ftz`` (the GPU suite covers both)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import subprocess
@@ -65,13 +66,33 @@ def emulated(monkeypatch):
     gpu._PLANS.clear()
 
 
+def _inputs(pb, lay):
+    """The op's inputs in the layout's index and weight dtypes (what sdm.forward passes on)."""
+    wd, idx = lay.weight_dtype, lay.index_dtype
+    return (pb.write_idx.astype(idx), pb.write_w.astype(wd), pb.values,
+            pb.beta.astype(wd), pb.read_idx.astype(idx), pb.read_w.astype(wd))
+
+
+@contextlib.contextmanager
+def _gpu_knobs(**kw):
+    """gpu knobs set for the block only (plans forgotten on the way out)."""
+    from sdm_cupy.kernels import gpu
+    old = {k: getattr(gpu, k) for k in kw}
+    try:
+        for k, v in kw.items():
+            setattr(gpu, k, v)
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(gpu, k, v)
+        gpu._PLANS.clear()
+
+
 def _run(pb, cfg, dr, dM, bank=None):
     """gpu.sdm_fwd with snapshots, then gpu.sdm_bwd: (readings, final bank, grads, rewound)."""
     from sdm_cupy.kernels import gpu
     lay = sdm._validate.layout(pb.bank, *pb.inputs, cfg)
-    wd, idx = lay.weight_dtype, lay.index_dtype
-    inputs = (pb.write_idx.astype(idx), pb.write_w.astype(wd), pb.values,
-              pb.beta.astype(wd), pb.read_idx.astype(idx), pb.read_w.astype(wd))
+    inputs = _inputs(pb, lay)
     if bank is None:
         bank = pb.bank.copy()
     gpu.check_config(lay, cfg)
@@ -270,19 +291,13 @@ def _random_case(rng):
                      BWD_SCRATCH=[56 << 20, 1][rng.integers(2)])
         cfg = _cfg(pb, C, snapshot_quant=quant)
         lay = sdm._validate.layout(pb.bank, *pb.inputs, cfg)
-        old = {k: getattr(gpu, k) for k in knobs}
         try:
-            for k, v in knobs.items():
-                setattr(gpu, k, v)
-            sdm._validate.check_snapshot_quant(lay, quant)   # what sdm.forward checks first
-            gpu.check_config(lay, cfg)
-            gpu.backward_plan(lay, cfg, chunk=gpu.plan(lay, cfg, quant=quant, saves=True).C)
+            with _gpu_knobs(**knobs):
+                sdm._validate.check_snapshot_quant(lay, quant)   # what sdm.forward checks first
+                gpu.check_config(lay, cfg)
+                gpu.backward_plan(lay, cfg, chunk=gpu.plan(lay, cfg, quant=quant, saves=True).C)
         except (ValueError, RuntimeError):
             continue
-        finally:
-            for k, v in old.items():
-                setattr(gpu, k, v)
-            gpu._PLANS.clear()
         if rng.random() < 0.3:   # a few ids outside [0, S)
             for arr in (pb.write_idx, pb.read_idx):
                 flat = arr.reshape(-1)
@@ -470,10 +485,16 @@ def test_asan_catches_a_write_past_the_end():
 
 
 # ---- a forward's chunk carried to its backward (stops 21-22; their GPU tests await a device) --
-def _inputs(pb, lay):
-    wd, idx = lay.weight_dtype, lay.index_dtype
-    return (pb.write_idx.astype(idx), pb.write_w.astype(wd), pb.values,
-            pb.beta.astype(wd), pb.read_idx.astype(idx), pb.read_w.astype(wd))
+def _forward(pb, cfg, **knobs_during):
+    """gpu.sdm_fwd with snapshots on a copy of the bank, the gpu knobs `knobs_during` set for
+    the forward only: (layout, inputs, bank after it, readings, snapshots, final bank)."""
+    from sdm_cupy.kernels import gpu
+    lay = sdm._validate.layout(pb.bank, *pb.inputs, cfg)
+    inputs = _inputs(pb, lay)
+    bank = pb.bank.copy()
+    with _gpu_knobs(**knobs_during):
+        r, snaps = gpu.sdm_fwd(lay, cfg, bank, *inputs, save_snapshots=True)
+    return lay, inputs, bank, r, snaps, bank.copy()
 
 
 def _check_all(pb, r, fin, g, rewound, dr, dM, tol):
@@ -516,15 +537,9 @@ def test_knobs_changed_between_forward_and_backward(rng, emulated, fwd_chunk, bw
     knobs, _ = emulated
     pb = make_problem(rng, B=2, T=70, P=2, hd=24, S=40, W=5)
     cfg = _cfg(pb, 64)
-    lay = sdm._validate.layout(pb.bank, *pb.inputs, cfg)
-    inputs = _inputs(pb, lay)
     dr, dM = rng.normal(size=pb.values.shape), rng.normal(size=pb.bank.shape)
-    bank = pb.bank.copy()
-    knobs(FWD_CHUNK=fwd_chunk)
-    r, snaps = gpu.sdm_fwd(lay, cfg, bank, *inputs, save_snapshots=True)
-    fin = bank.copy()
+    lay, inputs, bank, r, snaps, fin = _forward(pb, cfg, FWD_CHUNK=fwd_chunk)
     knobs(FWD_CHUNK=bwd_chunk)
-    gpu._PLANS.clear()
     assert snaps.chunk == (fwd_chunk or 32)
     assert gpu.backward_plan(lay, cfg).C == (bwd_chunk or 32) != snaps.chunk
     gpu.check_backward(lay, cfg, snaps)
@@ -537,17 +552,9 @@ def test_backward_narrows_its_tiles_for_the_forwards_chunk(rng, emulated):
     reset before its backward: the backward takes narrower tiles than its own to fit that
     chunk and still walks it (float64 reference, exact rewind)."""
     from sdm_cupy.kernels import gpu
-    knobs, _ = emulated
     pb = make_problem(rng, B=4, T=80, P=8, hd=256, S=64, W=8, dtype=np.float32)
     cfg = _cfg(pb, 64)
-    lay = sdm._validate.layout(pb.bank, *pb.inputs, cfg)
-    inputs = _inputs(pb, lay)
-    bank = pb.bank.copy()
-    knobs(TILE_WIDTH=8)
-    r, snaps = gpu.sdm_fwd(lay, cfg, bank, *inputs, save_snapshots=True)
-    fin = bank.copy()
-    knobs(TILE_WIDTH=None)
-    gpu._PLANS.clear()
+    lay, inputs, bank, r, snaps, fin = _forward(pb, cfg, TILE_WIDTH=8)
     own, bwd = gpu.plan(lay, cfg, backward=True), gpu.backward_plan(lay, cfg, chunk=snaps.chunk)
     assert own.C < snaps.chunk == bwd.C == 64 and bwd.TW < own.TW, (own, bwd)
     dr = rng.normal(size=pb.values.shape).astype(np.float32)
@@ -564,11 +571,7 @@ def test_backward_refused_for_a_chunk_it_no_longer_fits_then_runs(rng, emulated)
     knobs, _ = emulated
     pb = make_problem(rng, B=1, T=40, P=1, hd=256, S=30, W=8, dtype=np.float32)
     cfg = _cfg(pb, 64)
-    lay = sdm._validate.layout(pb.bank, *pb.inputs, cfg)
-    inputs = _inputs(pb, lay)
-    bank = pb.bank.copy()
-    r, snaps = gpu.sdm_fwd(lay, cfg, bank, *inputs, save_snapshots=True)
-    fin = bank.copy()
+    lay, inputs, bank, r, snaps, fin = _forward(pb, cfg)
     knobs(BWD_TILE_WIDTH=pb.hd)
     gpu._PLANS.clear()
     with pytest.raises(RuntimeError, match=f"forward that ran {snaps.chunk}-token chunks.*"

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import os
 import re
-import sys
-import types
 
 import numpy as np
 import pytest
@@ -27,9 +25,10 @@ from sdm_cupy._validate import BFLOAT16
 from sdm_cupy.kernels import _build as K
 from sdm_cupy.kernels import gpu
 
+import emu
 from helpers import make_problem
 
-H200 = (132, 232448, "90")
+H200 = emu.H200
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CTYPES = {"float": np.dtype(np.float32), "double": np.dtype(np.float64),
@@ -143,17 +142,11 @@ def _check_launch(rec, fuse_dummies: bool):
 @pytest.fixture
 def recorded(monkeypatch):
     """CuPy replaced by NumPy, the device's limits by an H200's, and every launch recorded."""
-    fake = types.ModuleType("cupy")
+    fake = emu.fake_cupy()
     # zeros for empty too: nothing runs, and casting uninitialised memory warns
-    fake.empty = fake.zeros = lambda shape, dtype=float: np.zeros(shape, dtype)
-    fake.asarray = np.asarray
-    monkeypatch.setitem(sys.modules, "cupy", fake)
-    monkeypatch.setattr(gpu, "_device_limits", lambda: H200)
+    fake.empty = fake.zeros
+    emu.host_arrays(monkeypatch, fake)
     monkeypatch.setattr(gpu, "_err_array", lambda: np.uint64(1 << 40))
-    monkeypatch.setattr(gpu, "_aligned", lambda x, N: x.ctypes.data % (N * x.itemsize) == 0)
-    monkeypatch.setattr(gpu, "_rows16", lambda x, lay, pl: (
-        x.ctypes.data % 16 == 0 and (lay.hd * x.itemsize) % 16 == 0
-        and (pl.TW * x.itemsize) % 16 == 0))
     calls = []
 
     def launch(src, key, name, grid, smem, args, threads=None):
