@@ -14,14 +14,16 @@ float64, which would silently break the bit arithmetic.
 
 Snapshot quantization (SPEC §5) of one row of hd values:
 
-* ``bf16``: each value rounded to bfloat16 (relative error <= 2^-8).
-* ``fp8_e4m3`` (e4m3fn: bias 7, no inf, max 448): scale = absmax / 448 in float32, codes are
-  RNE of x / scale, saturated at +-448; relative error <= 2^-4 for |x| >= 2^-6 * scale, absolute
-  error <= 2^-10 * scale below that.
-* ``int8``: scale = absmax / 127 in float32, codes RNE of x / scale in [-127, 127]; absolute
-  error <= scale / 2 (plus float32 rounding of the scale).
+* ``bf16``: each value rounded to bfloat16 once, float64 values too (relative error <= 2^-8).
+* ``fp8_e4m3`` (e4m3fn: bias 7, no inf, max 448) and ``int8`` (max 127): a = the row's absmax
+  rounded to float32 (NaN ignored), scale = a / qmax rounded to float32, and with
+  y = x * (qmax / a) in float64 the code is the e4m3 (RNE, saturated at +-448) of y rounded to
+  float32, or RNE(y) clamped to [-127, 127]. fp8: relative error <= 2^-4 for |x| >= 2^-6 *
+  scale, absolute error <= 2^-10 * scale below that; int8: absolute error <= scale / 2 (plus
+  float32 rounding of the scale). Subnormal rows included, the GPU computes the same numbers
+  (``kernels/sdm_common.cuh``, ``quant1``).
 
-A row of zeros gets scale 0 and decodes to zeros exactly.
+A row of zeros (or with an infinite absmax) gets zero codes; zeros decode to zeros exactly.
 """
 
 from __future__ import annotations
@@ -191,6 +193,12 @@ def quantize_row(vals, vrow, hd, mode, srow, snap_u16, snap_u8, scales, u32, f32
     if mode == SNAP_BF16:
         for k in range(uhd):
             f32v[k] = vals[vrow, k]
+        for k in range(uhd):   # float64 values: round to odd in float32, so bf16 rounds once
+            x = vals[vrow, k]
+            if f32v[k] != x and f32v[k] == f32v[k]:
+                if abs(np.float64(f32v[k])) > abs(x):
+                    u32[k] -= 1                    # toward zero (bits are sign-magnitude)
+                u32[k] |= 1                        # sticky: below bf16's last place
         for k in range(uhd):
             snap_u16[srow, k] = np.uint16(f32_bits_to_bf16(u32[k]))
         return
@@ -200,13 +208,13 @@ def quantize_row(vals, vrow, hd, mode, srow, snap_u16, snap_u8, scales, u32, f32
         if x > amax:
             amax = x
     qmax = FP8_MAX if mode == SNAP_FP8 else INT8_MAX
-    scale = np.float32(amax / qmax)
-    scales[srow] = scale
-    if scale == 0.0 or not np.isfinite(scale):
+    a = np.float64(np.float32(amax))
+    scales[srow] = np.float32(a / qmax)
+    if a == 0.0 or not np.isfinite(a):
         for k in range(uhd):
             snap_u8[srow, k] = 0
         return
-    inv = 1.0 / np.float64(scale)
+    inv = qmax / a
     if mode == SNAP_FP8:
         for k in range(uhd):
             f32v[k] = vals[vrow, k] * inv

@@ -10,22 +10,37 @@
 namespace sdm {
 
 // ---- conversions: storage dtype <-> accumulation dtype (float or double) -----------------
+// Exact float32 -> float64 and round-to-nearest-even float64 -> float32 with subnormals kept
+// (CuPy compiles with -ftz=true, under which the plain conversions flush them: a bfloat16
+// snapshot of 1e-40 would rewind a float64 bank to 0).
+__device__ __forceinline__ double widen(float x) {
+  const unsigned b = __float_as_uint(x);
+  if (b & 0x7f800000u) return (double)x;                       // normal, inf, NaN
+  const double m = (double)(b & 0x7fffffu) * 0x1p-149;          // zero or subnormal
+  return (b >> 31) ? -m : m;
+}
+__device__ __forceinline__ double widen(double x) { return x; }
+__device__ __forceinline__ float narrow(double d) {
+  if (!(fabs(d) < 0x1p-126)) return (float)d;                   // normal, inf, NaN
+  const unsigned k = (unsigned)rint(fabs(d) * 0x1p149);         // subnormal units, <= 2^23
+  return __uint_as_float((signbit(d) ? 0x80000000u : 0u) | k);
+}
 __device__ __forceinline__ float to_acc(float x, float) { return x; }
-__device__ __forceinline__ double to_acc(float x, double) { return (double)x; }
-__device__ __forceinline__ float to_acc(double x, float) { return (float)x; }
+__device__ __forceinline__ double to_acc(float x, double) { return widen(x); }
+__device__ __forceinline__ float to_acc(double x, float) { return narrow(x); }
 __device__ __forceinline__ double to_acc(double x, double) { return x; }
 __device__ __forceinline__ float to_acc(__half x, float) { return __half2float(x); }
-__device__ __forceinline__ double to_acc(__half x, double) { return (double)__half2float(x); }
+__device__ __forceinline__ double to_acc(__half x, double) { return (double)__half2float(x); }  // normal in float
 __device__ __forceinline__ float to_acc(__nv_bfloat16 x, float) { return __bfloat162float(x); }
-__device__ __forceinline__ double to_acc(__nv_bfloat16 x, double) { return (double)__bfloat162float(x); }
+__device__ __forceinline__ double to_acc(__nv_bfloat16 x, double) { return widen(__bfloat162float(x)); }
 
 template <typename T> struct From;
 template <> struct From<float> {
   __device__ static float cvt(float x) { return x; }
-  __device__ static float cvt(double x) { return (float)x; }
+  __device__ static float cvt(double x) { return narrow(x); }
 };
 template <> struct From<double> {
-  __device__ static double cvt(float x) { return (double)x; }
+  __device__ static double cvt(float x) { return widen(x); }
   __device__ static double cvt(double x) { return x; }
 };
 template <> struct From<__half> {
@@ -106,20 +121,6 @@ template <int Q> struct QMax { static constexpr float v = 1.0f; };
 template <> struct QMax<2> { static constexpr float v = 448.0f; };
 template <> struct QMax<3> { static constexpr float v = 127.0f; };
 
-__device__ __forceinline__ unsigned char quant1(float x, float inv, unsigned char) {
-  return (unsigned char)__nv_cvt_float_to_fp8(x * inv, __NV_SATFINITE, __NV_E4M3);
-}
-__device__ __forceinline__ signed char quant1(float x, float inv, signed char) {
-  float q = rintf(x * inv);
-  q = fminf(127.0f, fmaxf(-127.0f, q));
-  return (signed char)(int)q;
-}
-__device__ __forceinline__ float dequant1(unsigned char q, float scale) {
-  __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)q, __NV_E4M3);
-  return __half2float(__half(h)) * scale;
-}
-__device__ __forceinline__ float dequant1(signed char q, float scale) { return (float)q * scale; }
-
 // ---- arithmetic that keeps subnormals ------------------------------------------------------
 // CuPy compiles with -ftz=true (cupy/cuda/compiler.py appends it after the caller's options),
 // which would flush float32 subnormals: bfloat16 entries below 2^-126 (and float32 values
@@ -134,6 +135,30 @@ __device__ __forceinline__ float sub_(float a, float b) { return __fmaf_ieee_rn(
 __device__ __forceinline__ double sub_(double a, double b) { return a - b; }
 __device__ __forceinline__ float add_(float a, float b) { return __fmaf_ieee_rn(a, 1.0f, b); }
 __device__ __forceinline__ double add_(double a, double b) { return a + b; }
+
+// |x| as float32 bits (ordered like the magnitudes; above 0x7f800000 means NaN).
+__device__ __forceinline__ unsigned abs_bits(float x) { return __float_as_uint(x) & 0x7fffffffu; }
+__device__ __forceinline__ unsigned abs_bits(double x) { return abs_bits(narrow(x)); }
+
+// The row's absmax a is a float32 (NaN ignored), its scale the float32 nearest a / qmax, and
+// a code the fp8 (RNE, saturating) of the float32 nearest x * (qmax / a), or the int8 nearest
+// x * (qmax / a) (clamped to +-127), with x * (qmax / a) in float64; a row with a = 0 or
+// a = inf stores zero codes. Working in float64 through the helpers above, rows of tiny
+// values (subnormals included) quantize like any other despite -ftz: in float32, qmax / a
+// overflows below a = 1.3e-36 and a subnormal scale flushes. kernels/cpu_formats.py computes
+// the same numbers.
+__device__ __forceinline__ unsigned char quant1(double y, unsigned char) {
+  return (unsigned char)__nv_cvt_float_to_fp8((float)y, __NV_SATFINITE, __NV_E4M3);
+}
+__device__ __forceinline__ signed char quant1(double y, signed char) {
+  const double q = fmin(127.0, fmax(-127.0, rint(y)));
+  return (signed char)(int)q;
+}
+__device__ __forceinline__ float dequant1(unsigned char q, float scale) {
+  __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)q, __NV_E4M3);
+  return mul_(__half2float(__half(h)), scale);
+}
+__device__ __forceinline__ float dequant1(signed char q, float scale) { return mul_((float)q, scale); }
 
 // ---- small helpers ------------------------------------------------------------------------
 template <typename I>

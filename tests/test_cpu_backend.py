@@ -384,6 +384,72 @@ def test_quantized_snapshot_rows_within_format_error(rng, mode, per_value):
     assert ratio <= 1.0 + 1e-5, f"{mode}: a decoded row exceeds the format's error bound"
 
 
+def _quantize_rows(vals, mode):
+    """cpu_formats.quantize_row over every row of vals: (bf16 bits, 1-byte codes, scales)."""
+    rows, hd = vals.shape
+    u16, u8 = np.zeros((rows, hd), np.uint16), np.zeros((rows, hd), np.uint8)
+    scales, u32 = np.zeros(rows, np.float32), np.zeros(hd, np.uint32)
+    for r in range(rows):
+        F.quantize_row(vals, r, hd, F.SNAP_CODES[mode], r, u16, u8, scales, u32, u32.view(np.float32))
+    return u16, u8, scales
+
+
+def _rows_of_every_magnitude(rng, dtype, hd=16):
+    """Rows from float32-subnormal to 1e30 in magnitude (float64: some below float32's range)."""
+    exps = [-44, -40, -38, -37, -36, -30, -12, 0, 12, 30] + ([-50, -46] if dtype == np.float64 else [])
+    rows = [rng.normal(size=hd) * 10.0 ** e for e in exps for _ in range(3)]
+    return np.array(rows).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("mode", ["fp8_e4m3", "int8"])
+def test_byte_quantization_follows_its_rule_at_every_magnitude(rng, dtype, mode):
+    """SPEC §5's rule as cpu_formats and the GPU's quant1 state it: a = the row's absmax in
+    float32, scale = float32(a / qmax), y = x * (qmax / a) in float64, code = e4m3(float32(y))
+    or clamp(rint(y)), zero codes where a = 0. Tiny rows (subnormal float32 included) quantize
+    like any other and decode within the format's error plus the float32 rounding of their
+    scale (at most qmax * 2^-150 once the scale is subnormal)."""
+    x = _rows_of_every_magnitude(rng, dtype)
+    _, codes, scales = _quantize_rows(x, mode)
+    qmax = 448.0 if mode == "fp8_e4m3" else 127.0
+    a = np.abs(x).max(axis=1).astype(np.float32).astype(np.float64)
+    assert np.array_equal(scales, (a / qmax).astype(np.float32))
+    live = a > 0
+    y = x.astype(np.float64) * np.where(live, qmax / np.where(live, a, 1), 0)[:, None]
+    exact = (a / qmax)[:, None]
+    if mode == "fp8_e4m3":
+        want = np.clip(y.astype(np.float32), -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+        dec = want.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+        step = 2 ** -4 * np.abs(x) + 2 ** -10 * exact   # relative, or fp8's subnormal step
+    else:
+        want = np.clip(np.rint(y), -127, 127).astype(np.int8).view(np.uint8)
+        dec = want.view(np.int8).astype(np.float64)
+        step = 0.5 * exact
+    want[~live] = 0
+    assert np.array_equal(codes, want), f"{mode}: codes differ from the rule"
+    err = np.abs(dec * scales[:, None] - x)
+    bound = step * (1 + 2 ** -20) + qmax * 2.0 ** -150
+    assert (err <= bound)[live].all(), f"{mode}: a row decodes too far off"
+    normal = (exact >= 2.0 ** -126)[:, 0]              # a normal scale: the format's error alone
+    assert (err <= step * (1 + 2 ** -20) + 2 ** -23 * np.abs(x))[normal].all()
+    assert normal.sum() >= 15                          # the rows of 1e-30 and above
+    assert live[:30].all() and not live[-6:].any() if dtype == np.float64 else live.all()
+
+
+def test_bf16_snapshots_of_float64_round_once(rng):
+    """A float64 value rounds to bfloat16 directly (as ml_dtypes and the GPU's __double2bfloat16
+    do), not through float32, whose rounding can land on a bfloat16 tie."""
+    base = rng.normal(size=(64, 16)).astype(BF16).astype(np.float64)
+    ulp = np.abs(base) * 2 ** -8                       # half a bfloat16 step (above a power of 2)
+    x = np.concatenate([base + ulp * (1 + 2 ** -30), base + ulp * (1 - 2 ** -30), base + ulp,
+                        rng.normal(size=(64, 16)) * 10.0 ** rng.integers(-40, 30, size=(64, 1)),
+                        np.array([[2 ** -133 + 2 ** -160, -1e-300, 1e300, -np.inf] * 4])])
+    bits, _, _ = _quantize_rows(x, "bf16")
+    with np.errstate(over="ignore"):
+        want = x.astype(BF16).view(np.uint16)
+    assert np.array_equal(bits, want)
+
+
 def test_zero_rows_quantize_to_exact_zeros(rng):
     pb = make_problem(rng, B=1, T=6, P=1, hd=8, S=4, W=2, dtype=np.float32)
     pb.bank[:] = 0

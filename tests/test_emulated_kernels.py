@@ -188,6 +188,47 @@ def test_quantized_snapshots_match_the_cpu_backend(rng, emulated, case):
     assert_close(rewound, res.bank, tol, "rewound bank gpu vs cpu")
 
 
+@pytest.mark.parametrize("dtype", [np.float32, BF16, np.float64])
+@pytest.mark.parametrize("mode", ["fp8_e4m3", "int8", "bf16"])
+def test_snapshot_codes_are_the_cpu_backends_at_every_magnitude(rng, emulated, dtype, mode):
+    """The stored snapshot rows (codes and scales) of the first chunk, bit for bit the CPU
+    backend's, for slots from 1e-44 (float32 subnormal) to 1e30 in magnitude: the rule of
+    cpu_formats holds for tiny rows (a float32 qmax / absmax would overflow) and float64 rows
+    round to bfloat16 once. The rewound bank (each written slot decoded from the snapshot of
+    its first write) is the CPU's bit for bit too, except that the GPU decodes bytes in
+    float32, so a float64 bank's agrees to float32 rounding."""
+    if mode == "bf16" and dtype == BF16:
+        pytest.skip("bf16 snapshots do not shrink a bfloat16 bank")
+    pb = make_problem(rng, **dict(SMALL, dtype=dtype))
+    exps = np.array([-44, -40, -38, -37, -36, -30, -12, 0, 12, 30])
+    mag = 10.0 ** exps[np.arange(pb.bank.shape[0]) % pb.S % exps.size]   # per slot
+    pb.bank[...] = (pb.bank.astype(np.float64) * mag[:, None]).astype(dtype)
+    C = 16
+    cfg = _cfg(pb, C, snapshot_quant=mode)
+    lay = sdm._validate.layout(pb.bank, *pb.inputs, cfg)
+    from sdm_cupy.kernels import gpu
+    gpu.check_config(lay, cfg)
+    bank, inputs = pb.bank.copy(), _inputs(pb, lay)
+    _, snaps = gpu.sdm_fwd(lay, cfg, bank, *inputs, save_snapshots=True)
+    res = sdm.forward(*pb.args(), cfg)
+    rows, scales = (None if a is None else a.copy() for a in res.saved.snapshots)
+    dr = rng.normal(size=pb.values.shape).astype(dtype)
+    gpu.check_backward(lay, cfg, snaps)
+    gpu.sdm_bwd(lay, cfg, bank, inputs, snaps, dr, None)
+    sdm.backward(res.saved, dr)
+    if dtype == np.float64 and mode != "bf16":
+        assert_close(bank, res.bank, 1e-7, "rewound bank")
+    else:
+        assert np.array_equal(bank.view(np.uint8), res.bank.view(np.uint8)), "rewound bank"
+    grow = np.asarray(snaps[0]).transpose(0, 2, 1, 3, 4)[:, :, :C]   # [B, T, P, W, hd] -> P, T
+    crow = rows[:, :, :C]
+    assert np.array_equal(grow.view(np.uint8), crow.view(np.uint8)), f"{mode}: codes differ"
+    if mode != "bf16":
+        gsc = np.asarray(snaps[1]).transpose(0, 2, 1, 3)[:, :, :C]
+        assert np.array_equal(gsc.view(np.uint32), scales[:, :, :C].view(np.uint32)), "scales"
+        assert (scales[:, :, :C] > 0).mean() > 0.5
+
+
 @pytest.mark.parametrize("case", [(1, np.float64, 40, 16, 4), (8, np.float64, 40, 16, 4),
                                   (64, np.float32, 150, 32, 12), (64, BF16, 150, 32, 12)],
                          ids=["C1-f64", "C8-f64", "C64-f32", "C64-bf16"])

@@ -793,6 +793,40 @@ def test_poisoned_shared_memory_changes_no_bit(rng, case, pattern):
         assert np.array_equal(outs[1][4].view(np.uint8), pb.bank.view(np.uint8))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, BF16, np.float64])
+@pytest.mark.parametrize("mode", ["fp8_e4m3", "int8", "bf16"])
+def test_snapshots_of_tiny_rows_are_the_cpu_backends(rng, dtype, mode):
+    """Under CuPy's -ftz, slots from 1e-44 (float32 subnormal) to 1e30 in magnitude: the first
+    chunk's snapshot codes and scales are the CPU backend's bit for bit, and so is the rewound
+    bank (a float64 bank's to float32 rounding: the GPU decodes bytes in float32). Before stop
+    24 a row with absmax below 1.3e-36 stored saturated fp8 codes (448 / absmax overflowed)."""
+    if mode == "bf16" and dtype == BF16:
+        pytest.skip("bf16 snapshots do not shrink a bfloat16 bank")
+    pb = make_problem(rng, B=2, T=70, P=2, hd=32, S=40, W=5, dtype=dtype)
+    exps = np.array([-44, -40, -38, -37, -36, -30, -12, 0, 12, 30])
+    mag = 10.0 ** exps[np.arange(pb.bank.shape[0]) % pb.S % exps.size]
+    pb.bank[...] = (pb.bank.astype(np.float64) * mag[:, None]).astype(dtype)
+    C = 16
+    cfg = _cfg(pb, C, snapshot_quant=mode)
+    x = pb.to(cp)
+    res = sdm.forward(x.bank, *x.inputs, cfg)
+    snaps = [None if a is None else to_numpy(a) for a in res.saved.snapshots]
+    cres = sdm.forward(*pb.args(), cfg)
+    rows, scales = (None if a is None else a.copy() for a in cres.saved.snapshots)
+    grow = snaps[0].transpose(0, 2, 1, 3, 4)[:, :, :C]          # [B, T, P, ...] -> [B, P, T, ...]
+    assert np.array_equal(grow.view(np.uint8), rows[:, :, :C].view(np.uint8)), "codes"
+    if mode != "bf16":
+        gsc = snaps[1].transpose(0, 2, 1, 3)[:, :, :C]
+        assert np.array_equal(gsc.view(np.uint32), scales[:, :, :C].view(np.uint32)), "scales"
+    dr = rng.normal(size=pb.values.shape).astype(dtype)
+    sdm.backward(res.saved, cp.asarray(dr))
+    sdm.backward(cres.saved, dr)
+    if dtype == np.float64 and mode != "bf16":
+        assert_close(to_numpy(res.bank), cres.bank, 1e-7, "rewound bank")
+    else:
+        assert np.array_equal(to_numpy(res.bank).view(np.uint8), cres.bank.view(np.uint8))
+
+
 def test_expand_and_sum_memory_batch(rng):
     for dt in (np.float64, np.float32, BF16):
         param = rng.normal(size=(24, 10)).astype(dt)

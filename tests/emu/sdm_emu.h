@@ -483,6 +483,9 @@ template <typename T> inline T __ldcg(const T* p) { return *p; }
 inline float __fmaf_ieee_rn(float a, float b, float c) { return std::fmaf(a, b, c); }
 inline int __float_as_int(float x) { return sdm_emu::of_bits<int>(sdm_emu::bits_of(x)); }
 inline float __int_as_float(int x) { return sdm_emu::of_bits<float>(sdm_emu::bits_of(x)); }
+inline unsigned __float_as_uint(float x) { return sdm_emu::of_bits<unsigned>(sdm_emu::bits_of(x)); }
+inline float __uint_as_float(unsigned x) { return sdm_emu::of_bits<float>(sdm_emu::bits_of(x)); }
+using std::signbit;
 inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((uint64_t)a * b) >> 32); }
 inline int __ffs(int x) { return __builtin_ffs(x); }
 inline int __ffsll(long long x) { return __builtin_ffsll(x); }
