@@ -339,7 +339,14 @@ def _random_case(rng):
                 gpu.backward_plan(lay, cfg, chunk=gpu.plan(lay, cfg, quant=quant, saves=True).C)
         except (ValueError, RuntimeError):
             continue
-        if rng.random() < 0.3:   # a few ids outside [0, S)
+        if pb.S > 1 and rng.random() < 0.3:   # a few ids outside [0, S)
+            # the reference runs redirect them to slot 0 with weight 0; a redirected write
+            # still takes a snapshot of its row, so slot 0 is kept for them (no valid id, a
+            # zero row, whose 1-byte and bf16 snapshots are exact) and the GPU, which skips
+            # them, restores the same bank
+            for arr in (pb.write_idx, pb.read_idx):
+                arr[arr == 0] = rng.integers(1, pb.S, size=int((arr == 0).sum()))
+            pb.bank.reshape(pb.B, pb.S, -1)[:, 0] = 0
             for arr in (pb.write_idx, pb.read_idx):
                 flat = arr.reshape(-1)
                 k = rng.integers(0, flat.size, size=min(3, flat.size))
@@ -394,11 +401,10 @@ def test_random_layouts_knobs_and_modes(emulated):
             finally:
                 cpu.CHUNK_CAP = cap
             r_ref, fin_ref, want = res.readings, fin, [getattr(gc, n) for n in GRADS]
-            # a float64 bank: for bf16 the CPU rounds through float32 (two roundings) where the
-            # GPU rounds the double once, and the 1-byte modes scale in other precisions, so
-            # now and then one value lands one step of the format apart (seen: 2.3e-4
-            # relative in a rewound bank, 1.1e-4 in a gradient)
-            tol = {BF16: (2e-2, 2e-2), np.dtype(np.float64): (1e-3, 1e-3)}.get(
+            # both backends quantize by one rule (cpu_formats), so a float64 bank's results
+            # agree to the GPU's float32 decoding of the 1-byte modes (before stop 24 the CPU
+            # rounded float64 to bf16 through float32 and scaled in another precision: 1e-3)
+            tol = {BF16: (2e-2, 2e-2), np.dtype(np.float64): (1e-6, 1e-6)}.get(
                 pb.bank.dtype, (1e-4, 1e-4))
             assert_close(rewound, res.bank, tol[0], f"rewound bank gpu vs cpu, {what}")
         for j, bad in ((1, bad_w), (4, bad_r)):
