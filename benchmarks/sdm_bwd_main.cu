@@ -67,7 +67,7 @@ struct SnapIO {
       load_raw<N>(q, p, nv, vec);
 #pragma unroll
       for (int i = 0; i < N; ++i) {
-        m[i] = (A)dequant1(q[i], sc);
+        m[i] = to_acc(dequant1(q[i], sc), A());
         raw[i] = From<T>::cvt(m[i]);
       }
     }

@@ -1,4 +1,4 @@
-// main's kernels/sdm_fwd.cu (stop 20) with the branch's extra argument CB, unused: the A/B's
+// main's kernels/sdm_fwd.cu (stop 24) with the branch's extra argument CB, unused: the A/B's
 // baseline for the sub-chunk snapshots' code (benchmarks/subchunk_ab.sh)
 // Chunked forward of SPEC §3. One block per (b, p, column tile); it walks the chunks of its
 // (b, p) in order and owns its tile of the bank rows, so its scatter needs no atomics.
@@ -506,10 +506,13 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
             if constexpr (Q <= 1) {
               save_piece<Q, A>(snap + (tok * W + w) * hd + c0 + cc, m, nv, vs);
             } else {
-              float mx = 0.f;
+              unsigned mx = 0;   // |m| as float32 bits, NaN skipped (-ftz would flush fabsf)
 #pragma unroll
-              for (int i = 0; i < N; ++i) mx = fmaxf(mx, fabsf((float)to_acc(m[i], A())));
-              if (ok) atomicMax(reinterpret_cast<int*>(amax_s + e), __float_as_int(mx));
+              for (int i = 0; i < N; ++i) {
+                const unsigned b = abs_bits(to_acc(m[i], A()));
+                mx = b > 0x7f800000u ? mx : max(mx, b);
+              }
+              if (ok) atomicMax(reinterpret_cast<int*>(amax_s + e), (int)mx);
             }
           }
         };
@@ -597,7 +600,8 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
           const long long off = tok * W + w;
           const I id = g.wid[t * W + w];
           const float mx = amax_s[t * W + w];
-          const float inv = mx > 0.f ? QMax<Q>::v / mx : 0.f;
+          const bool live = abs_bits(mx) - 1u < 0x7f800000u - 1u;   // 0 < a < inf
+          const double inv = live ? (double)QMax<Q>::v / widen(mx) : 0.0;
           A m[N];
           if (valid_id(id, S)) load_piece<N>(m, bank_b + (long long)id * D + cc, nv, vb);
           else {
@@ -606,9 +610,9 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
           }
           ST qv[N];
 #pragma unroll
-          for (int i = 0; i < N; ++i) qv[i] = quant1((float)m[i], inv, ST());
+          for (int i = 0; i < N; ++i) qv[i] = live ? quant1(widen(m[i]) * inv, ST()) : ST(0);
           store_raw<N>(snap + off * hd + c0 + cc, qv, nv, vs);
-          if (cc == 0 && tile == 0) scale[off] = mx / QMax<Q>::v;
+          if (cc == 0 && tile == 0) scale[off] = narrow(widen(mx) / QMax<Q>::v);
         }
       }
     }
