@@ -192,14 +192,13 @@ def quantize_row(vals, vrow, hd, mode, srow, snap_u16, snap_u8, scales, u32, f32
     uhd = np.uint64(hd)
     if mode == SNAP_BF16:
         for k in range(uhd):
-            f32v[k] = vals[vrow, k]
-        for k in range(uhd):   # float64 values: round to odd in float32, so bf16 rounds once
             x = vals[vrow, k]
+            f32v[k] = x
+            # float64 values: round to odd in float32, so that bf16 rounds once
             if f32v[k] != x and f32v[k] == f32v[k]:
                 if abs(np.float64(f32v[k])) > abs(x):
                     u32[k] -= 1                    # toward zero (bits are sign-magnitude)
                 u32[k] |= 1                        # sticky: below bf16's last place
-        for k in range(uhd):
             snap_u16[srow, k] = np.uint16(f32_bits_to_bf16(u32[k]))
         return
     amax = 0.0

@@ -73,6 +73,19 @@ def make_problem(rng, B=2, T=20, P=2, hd=8, S=32, W=3, dtype=np.float64, weight_
                    read_idx=ridx.astype(index_dtype), read_w=c.astype(wdt))
 
 
+# powers of ten from a float32 subnormal (1e-44) to 1e30: rows whose absmax / qmax or
+# qmax / absmax leaves float32's normal range, and ordinary ones
+MAGNITUDE_EXPONENTS = (-44, -40, -38, -37, -36, -30, -12, 0, 12, 30)
+
+
+def spread_magnitudes(pb: Problem) -> None:
+    """Scales bank slot s of every batch element by 10 ** MAGNITUDE_EXPONENTS[s % 10], in place
+    (in float64, then rounded to the bank's dtype)."""
+    exps = np.array(MAGNITUDE_EXPONENTS)
+    mag = 10.0 ** exps[np.arange(pb.bank.shape[0]) % pb.S % exps.size]
+    pb.bank[...] = (pb.bank.astype(np.float64) * mag[:, None]).astype(pb.bank.dtype)
+
+
 def to_numpy(x):
     if hasattr(x, "get"):
         x = x.get()

@@ -13,7 +13,8 @@ import pytest
 from numba import njit
 
 import sdm_cupy as sdm
-from helpers import BF16, assert_close, make_problem, reference_bwd, reference_fwd, rel_err
+from helpers import (BF16, MAGNITUDE_EXPONENTS, assert_close, make_problem, reference_bwd,
+                     reference_fwd, rel_err)
 from sdm_cupy.kernels import cpu
 from sdm_cupy.kernels import cpu_formats as F
 
@@ -396,7 +397,7 @@ def _quantize_rows(vals, mode):
 
 def _rows_of_every_magnitude(rng, dtype, hd=16):
     """Rows from float32-subnormal to 1e30 in magnitude (float64: some below float32's range)."""
-    exps = [-44, -40, -38, -37, -36, -30, -12, 0, 12, 30] + ([-50, -46] if dtype == np.float64 else [])
+    exps = list(MAGNITUDE_EXPONENTS) + ([-50, -46] if dtype == np.float64 else [])
     rows = [rng.normal(size=hd) * 10.0 ** e for e in exps for _ in range(3)]
     return np.array(rows).astype(dtype)
 

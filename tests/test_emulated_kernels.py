@@ -27,7 +27,8 @@ import pytest
 
 import emu
 import sdm_cupy as sdm
-from helpers import BF16, assert_close, make_problem, reference_bwd, reference_fwd
+from helpers import (BF16, assert_close, make_problem, reference_bwd, reference_fwd,
+                     spread_magnitudes)
 
 _why = emu.available()
 pytestmark = [pytest.mark.emu, pytest.mark.skipif(_why is not None, reason=str(_why))]
@@ -200,9 +201,7 @@ def test_snapshot_codes_are_the_cpu_backends_at_every_magnitude(rng, emulated, d
     if mode == "bf16" and dtype == BF16:
         pytest.skip("bf16 snapshots do not shrink a bfloat16 bank")
     pb = make_problem(rng, **dict(SMALL, dtype=dtype))
-    exps = np.array([-44, -40, -38, -37, -36, -30, -12, 0, 12, 30])
-    mag = 10.0 ** exps[np.arange(pb.bank.shape[0]) % pb.S % exps.size]   # per slot
-    pb.bank[...] = (pb.bank.astype(np.float64) * mag[:, None]).astype(dtype)
+    spread_magnitudes(pb)
     C = 16
     cfg = _cfg(pb, C, snapshot_quant=mode)
     lay = sdm._validate.layout(pb.bank, *pb.inputs, cfg)
@@ -404,8 +403,12 @@ def test_random_layouts_knobs_and_modes(emulated):
             # both backends quantize by one rule (cpu_formats), so a float64 bank's results
             # agree to the GPU's float32 decoding of the 1-byte modes (before stop 24 the CPU
             # rounded float64 to bf16 through float32 and scaled in another precision: 1e-3)
+            # A float32 bank differs from the CPU's by its rounding (other summation orders),
+            # enough now and then to move a value across a rounding boundary of the snapshot
+            # format: one code apart, 1/16 of the value in fp8, 1/254 of the row's absmax in
+            # int8 (seen: seed 328, 5.0e-4 in a read-weight gradient after 38 fp8 chunks)
             tol = {BF16: (2e-2, 2e-2), np.dtype(np.float64): (1e-6, 1e-6)}.get(
-                pb.bank.dtype, (1e-4, 1e-4))
+                pb.bank.dtype, (2e-3, 2e-3))
             assert_close(rewound, res.bank, tol[0], f"rewound bank gpu vs cpu, {what}")
         for j, bad in ((1, bad_w), (4, bad_r)):
             want[j] = np.where(bad, 0, want[j])

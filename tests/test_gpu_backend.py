@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import sdm_cupy as sdm
-from helpers import BF16, assert_close, make_problem, reference_bwd, reference_fwd, to_numpy
+from helpers import (BF16, assert_close, make_problem, reference_bwd, reference_fwd,
+                     spread_magnitudes, to_numpy)
 
 pytestmark = pytest.mark.gpu
 
@@ -803,9 +804,7 @@ def test_snapshots_of_tiny_rows_are_the_cpu_backends(rng, dtype, mode):
     if mode == "bf16" and dtype == BF16:
         pytest.skip("bf16 snapshots do not shrink a bfloat16 bank")
     pb = make_problem(rng, B=2, T=70, P=2, hd=32, S=40, W=5, dtype=dtype)
-    exps = np.array([-44, -40, -38, -37, -36, -30, -12, 0, 12, 30])
-    mag = 10.0 ** exps[np.arange(pb.bank.shape[0]) % pb.S % exps.size]
-    pb.bank[...] = (pb.bank.astype(np.float64) * mag[:, None]).astype(dtype)
+    spread_magnitudes(pb)
     C = 16
     cfg = _cfg(pb, C, snapshot_quant=mode)
     x = pb.to(cp)
