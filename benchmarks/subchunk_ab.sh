@@ -9,11 +9,15 @@
 #      with the CB argument against the branch's);
 #   3. the full sweep (bench_gpu.py) with the branch's defaults.
 # Run from the repository root on the device: bash benchmarks/subchunk_ab.sh
+# SUITE=0 skips step 1 and SWEEP=0 step 3 (the three steps take about 200 + 300 + 250 s, more
+# than one 600-second device command: the branch's suite passed on the H200 in stop 24).
 set -u
 cd "$(dirname "$0")/.."
 T0=$(date +%s)
 python3 -m pip install -q --no-deps --no-build-isolation .whl/*.whl -e . > ${OUT:-/tmp}/pip.log 2>&1
-PYTEST_TIMEOUT=300 timeout 330 python3 benchmarks/gpu_check.py --no-bench --pytest-args "-n 16" 2>&1 | tail -8
+if [ "${SUITE:-1}" != 0 ]; then
+  PYTEST_TIMEOUT=300 timeout 330 python3 benchmarks/gpu_check.py --no-bench --pytest-args "-n 16" 2>&1 | tail -8
+fi
 cd benchmarks
 ab() { echo "== $* (elapsed $(( $(date +%s) - T0 )) s)"; timeout 120 python3 fwd_ab.py "$@" 2>&1 | grep -E "^\| [a-z]|bitwise|Error|error|forward\+"; }
 B=../kernels/sdm_bwd.cu
@@ -28,5 +32,7 @@ ab off=$B@$OFF new=$B --source bwd --graph --reps 8   # the forward alone: the p
 ab fmain=sdm_fwd_main.cu fnew=../kernels/sdm_fwd.cu fmain2=sdm_fwd_main.cu --source fwd --graph --reps 8
 ab fmain=sdm_fwd_main.cu fnew=../kernels/sdm_fwd.cu fmain2=sdm_fwd_main.cu --source fwd --graph --reps 8 --W 8
 echo "A/B done (elapsed $(( $(date +%s) - T0 )) s)"
-timeout 250 python3 bench_gpu.py --out ${OUT:-/tmp} 2>&1 | tail -24
+if [ "${SWEEP:-1}" != 0 ]; then
+  timeout 250 python3 bench_gpu.py --out ${OUT:-/tmp} 2>&1 | tail -24
+fi
 echo "total $(( $(date +%s) - T0 )) s"
