@@ -1,5 +1,5 @@
 #!/bin/bash
-# Branch wip/subchunk-snapshots, one device call (about 450 s with a cold lease):
+# Branch wip/subchunk-snapshots, on the device:
 #   1. the GPU suite;
 #   2. interleaved A/B, forward+backward (fwd_ab.py): the branch at main's plans
 #      (SUB_SNAPSHOTS=0, BWD_DM_STAGE=0, its DS = 0 instances, main's machine code byte for
