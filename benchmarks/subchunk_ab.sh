@@ -28,6 +28,9 @@ for a in "" "--W 8" "--W 32" "--hd 64" "--W 4"; do
 ab off=$B@$OFF new=$B off2=$B@$OFF new2=$B --source bwd --backward --graph --reps 6 $a
 done
 ab off=$B@$OFF new=$B --source bwd --graph --reps 8   # the forward alone: the pass's cost
+# where the pass's cost (+11.1% in stop 24) goes: compiled out, its task scan alone, all of it
+F=../kernels/sdm_fwd.cu
+ab pass=$F nopass=$F:-DSDM_FWD_NO_SUB_PASS scan=$F:-DSDM_FWD_SUB_SCAN_ONLY off=$F@$OFF --source fwd --graph --reps 8
 # the forward's code: main's source (CB accepted, unused) against the branch's, same plans
 ab fmain=sdm_fwd_main.cu fnew=../kernels/sdm_fwd.cu fmain2=sdm_fwd_main.cu --source fwd --graph --reps 8
 ab fmain=sdm_fwd_main.cu fnew=../kernels/sdm_fwd.cu fmain2=sdm_fwd_main.cu --source fwd --graph --reps 8 --W 8

@@ -658,12 +658,19 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
     // two or more entries (rare), before the scatter changes any row: without kept rows the
     // row is read from the bank, which only the scatter task of the same (entry, piece)
     // rewrites, and the scatter gives that task to this same thread, later in program order.
+    // Diagnostics for benchmarks/fwd_ab.py (wrong snapshots, never in the product):
+    // -DSDM_FWD_NO_SUB_PASS compiles the pass out, -DSDM_FWD_SUB_SCAN_ONLY keeps its scan of
+    // the tasks and skips every run (what the scan costs, what the runs cost).
+#ifndef SDM_FWD_NO_SUB_PASS
     if constexpr (Q == 0) {
       if (CB > 0 && save) {
 #pragma unroll 1
         for (int task = threadIdx.x; task < Ne * NPC; task += blockDim.x) {
           const int e = divNPC.div(task), wr = g.wrun[e];
           if ((wr & (W_HEAD | W_BAD)) != W_HEAD || (wr & W_NEXT) == 0) continue;
+#ifdef SDM_FWD_SUB_SCAN_ONLY
+          if (wr != -1) continue;   // (never -1: keeps the loads and the test)
+#endif
           // the staged instance (FIX) runs whole aligned pieces and kept rows only
           const int cc = (task - e * NPC) * N, nv = FIX ? N : min(N, tw - cc), hs = divW.div(e) >> CB;
           const bool vec = FIX || vs;
@@ -697,6 +704,7 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
         }
       }
     }
+#endif
     // scatter: the entry heading each written slot rewrites the row once, adding its run's
     // a u in ascending entry order. With kept rows a task reads shared memory only; without,
     // a thread takes SB tasks at a time and issues their row loads before any store (distinct
