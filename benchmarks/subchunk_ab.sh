@@ -24,13 +24,16 @@ B=../kernels/sdm_bwd.cu
 # main's backward is the branch's DS = 0 instances (the same machine code, NVRTC, stop 21);
 # its source cannot stand in: it lacks the DS template argument that the launcher names
 OFF=SUB_SNAPSHOTS=0,BWD_DM_STAGE=0
-for a in "" "--W 8" "--W 32" "--hd 64" "--W 4"; do
-ab off=$B@$OFF new=$B off2=$B@$OFF new2=$B --source bwd --backward --graph --reps 6 $a
-done
-ab off=$B@$OFF new=$B --source bwd --graph --reps 8   # the forward alone: the pass's cost
+# the decisive cases first (a lease may end early): the headline and W = 8, then where the
+# forward's pass cost goes, then the other shapes
+fb() { ab off=$B@$OFF new=$B off2=$B@$OFF new2=$B --source bwd --backward --graph --reps 6 "$@"; }
+fb
+fb --W 8
 # where the pass's cost (+11.1% in stop 24) goes: compiled out, its task scan alone, all of it
 F=../kernels/sdm_fwd.cu
 ab pass=$F nopass=$F:-DSDM_FWD_NO_SUB_PASS scan=$F:-DSDM_FWD_SUB_SCAN_ONLY off=$F@$OFF --source fwd --graph --reps 8
+for a in "--W 32" "--hd 64" "--W 4"; do fb $a; done
+ab off=$B@$OFF new=$B --source bwd --graph --reps 8   # the forward alone: the pass's cost
 # the forward's code: main's source (CB accepted, unused) against the branch's, same plans
 ab fmain=sdm_fwd_main.cu fnew=../kernels/sdm_fwd.cu fmain2=sdm_fwd_main.cu --source fwd --graph --reps 8
 ab fmain=sdm_fwd_main.cu fnew=../kernels/sdm_fwd.cu fmain2=sdm_fwd_main.cu --source fwd --graph --reps 8 --W 8
