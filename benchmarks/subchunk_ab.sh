@@ -29,9 +29,11 @@ OFF=SUB_SNAPSHOTS=0,BWD_DM_STAGE=0
 fb() { ab off=$B@$OFF new=$B off2=$B@$OFF new2=$B --source bwd --backward --graph --reps 6 "$@"; }
 fb
 fb --W 8
-# where the pass's cost (+11.1% in stop 24) goes: compiled out, its task scan alone, all of it
+# the forward's cost of the sub-chunk snapshots (stop 24: +11.1% as a pass of its own): in the
+# scatter's walk (the default), as the separate pass, none (wrong snapshots), the separate
+# pass's scan alone (wrong), main's plans
 F=../kernels/sdm_fwd.cu
-ab pass=$F nopass=$F:-DSDM_FWD_NO_SUB_PASS scan=$F:-DSDM_FWD_SUB_SCAN_ONLY off=$F@$OFF --source fwd --graph --reps 8
+ab fused=$F sep=$F:-DSDM_FWD_SUB_SEPARATE nopass=$F:-DSDM_FWD_NO_SUB_PASS "scan=$F:-DSDM_FWD_SUB_SEPARATE -DSDM_FWD_SUB_SCAN_ONLY" off=$F@$OFF --source fwd --graph --reps 8
 for a in "--W 32" "--hd 64" "--W 4"; do fb $a; done
 ab off=$B@$OFF new=$B --source bwd --graph --reps 8   # the forward alone: the pass's cost
 # the forward's code: main's source (CB accepted, unused) against the branch's, same plans

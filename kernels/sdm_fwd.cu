@@ -654,14 +654,17 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
     // write entry whose slot was written in an earlier sub-chunk gets, as its snapshot, the row
     // as it was at its sub-chunk's start (rounded to the bank dtype, as a store would round
     // it), where the gather saved M0. A run lists its entries in ascending order, so that row
-    // is M0 plus the run's prefix, summed in the scatter's order; one pass over the runs of
-    // two or more entries (rare), before the scatter changes any row: without kept rows the
-    // row is read from the bank, which only the scatter task of the same (entry, piece)
-    // rewrites, and the scatter gives that task to this same thread, later in program order.
-    // Diagnostics for benchmarks/fwd_ab.py (wrong snapshots, never in the product):
-    // -DSDM_FWD_NO_SUB_PASS compiles the pass out, -DSDM_FWD_SUB_SCAN_ONLY keeps its scan of
-    // the tasks and skips every run (what the scan costs, what the runs cost).
-#ifndef SDM_FWD_NO_SUB_PASS
+    // is M0 plus the run's prefix, summed in the scatter's order: the scatter's own walk of the
+    // run has it in registers when it reaches the sub-chunk's first entry, and stores it there
+    // (later entries of the same sub-chunk copy that piece back: the same thread stored it).
+    // -DSDM_FWD_SUB_SEPARATE (benchmarks/fwd_ab.py) runs the same walks in a pass of their own
+    // before the scatter instead (the same bits; stop 24's form, +11% on the forward): without
+    // kept rows the row is read from the bank, which only the scatter task of the same (entry,
+    // piece) rewrites, and the scatter gives that task to this same thread, later in program
+    // order. Its diagnostics (wrong snapshots, never in the product): -DSDM_FWD_NO_SUB_PASS
+    // compiles the snapshots of later sub-chunks out, -DSDM_FWD_SUB_SCAN_ONLY keeps the pass's
+    // scan of the tasks and skips every run (what the scan costs, what the runs cost).
+#if defined(SDM_FWD_SUB_SEPARATE) && !defined(SDM_FWD_NO_SUB_PASS)
     if constexpr (Q == 0) {
       if (CB > 0 && save) {
 #pragma unroll 1
@@ -709,10 +712,36 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
     // a u in ascending entry order. With kept rows a task reads shared memory only; without,
     // a thread takes SB tasks at a time and issues their row loads before any store (distinct
     // rows: no alias).
+#if defined(SDM_FWD_SUB_SEPARATE) || defined(SDM_FWD_NO_SUB_PASS)
+    constexpr bool SUB_HERE = false;
+#else
+    constexpr bool SUB_HERE = Q == 0;
+#endif
+    const bool sub = SUB_HERE && CB > 0 && save;
     auto add_run = [&](A (&m)[N], int e, int cc) {
+      const int hs = sub ? divW.div(e) >> CB : 0;
+      int cs = hs;
+      long long sb = 0;   // the snapshot piece of the run's first entry in sub-chunk cs
       for (int q = e;;) {
         const A a2 = g.aw[q];
         const int t2 = divW.div(q);
+        if constexpr (SUB_HERE) {
+          const int s2 = t2 >> CB;
+          if (sub && s2 != hs) {   // m is the row before entry q: at s2's start if q is its first
+            const int nv = FIX ? N : min(N, tw - cc);
+            const bool vec = FIX || vs;
+            const long long so = ((tokb + (long long)t2 * P) * W + (q - t2 * W)) * hd + c0 + cc;
+            if (s2 != cs) {
+              store_piece<N>(snap + so, m, nv, vec);
+              cs = s2;
+              sb = so;
+            } else {
+              T raw[N];
+              load_raw<N>(raw, snap + sb, nv, vec);
+              store_raw<N>(snap + so, raw, nv, vec);
+            }
+          }
+        }
 #pragma unroll
         for (int i = 0; i < N; ++i) m[i] = fma_(a2, U_s[t2 * TWP + cc + i], m[i]);
         const int nx = g.wrun[q] & W_NEXT;
