@@ -8,7 +8,7 @@ recurrence (it keeps each token's pre-write rows, like the snapshots).
 Also reported: the byte floor of SPEC §10 (bytes the op must move / the bandwidth of a large
 measured memcpy) and time / floor.
 
-    python benchmarks/bench_cpu.py [--repeats 5] [--write-results]
+    python benchmarks/bench_cpu.py [--repeats 7] [--write-results]
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ one forward of each runs in turn, rep after rep, so that clock and neighbour dri
 variant alike (separate processes differed by up to 8% on one lease). Prints the median and
 quartiles per variant.
 
-    python3 benchmarks/fwd_ab.py LABEL=FILE[:OPTIONS][@NAME=VALUE,...] ... [--source fwd]
+    cd benchmarks && python3 fwd_ab.py LABEL=FILE[:OPTIONS][@NAME=VALUE,...] ... [--source fwd]
         [--reps 40] [--threads 256] [--W 16] [--S 16384] [--hd 128] [--float32] [--C 64]
         [--backward] [--check] [--graph]
 
@@ -14,7 +14,8 @@ quartiles per variant.
 the 0.1-0.3 ms of host time an eager call adds (and its noise).
 
 ``@NAME=VALUE`` sets launcher knobs of ``kernels/gpu.py`` for that variant only (integers or
-None), e.g. ``t32=../kernels/sdm_fwd.cu@TILE_WIDTH=32,THREADS=512``.
+None), e.g. ``t32=../kernels/sdm_fwd.cu@TILE_WIDTH=32,THREADS=512``. Variant files are
+opened relative to the working directory (``benchmarks/``, as above).
 """
 
 from __future__ import annotations

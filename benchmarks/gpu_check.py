@@ -1,8 +1,10 @@
 """One device call: warm CuPy's kernel cache in parallel, run the GPU tests, then benchmark.
 
-    python3 benchmarks/gpu_check.py [--tests PATTERN] [--no-bench] [--quick]
+    python3 benchmarks/gpu_check.py [--tests PATHS] [--pytest-args ARGS] [--no-bench] [--quick]
 
-Prints a short table last (the benchmark's). Logs go to $OUT.
+``--tests``: test files or node ids (default ``tests``); the environment variable ``PYTEST_K``
+becomes pytest's ``-k``. Prints a short table last (the benchmark's). Logs go to $OUT (else
+/tmp).
 """
 
 from __future__ import annotations

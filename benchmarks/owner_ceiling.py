@@ -3,11 +3,12 @@ timed at the headline shape (SPEC §10) against the forward's byte floor.
 
 The forward of kernels/sdm_fwd.cu gives each block a column tile of its (b, p), so it gathers
 16-column pieces (32 bytes of a bf16 row); stop 13's gather_ceiling.py measured that pattern
-alone at 1.66x the floor, against 0.80x for whole rows. Here the K blocks of one thread-block
-cluster share a (b, p) and split its *slots* instead: block `rank` owns the rows of slots
-s = rank (mod K), whole, so every gather and every store is a whole 256-byte row, and no other
-block ever reads or writes those rows. The chunk's ids, weights, beta and values slice are
-copied into shared memory with cp.async one chunk ahead. Per chunk of C tokens, each block
+alone at 1.66x the floor, against 1.00x for whole rows (0.80x batch by batch). Here the K
+blocks of one thread-block cluster share a (b, p) and split its *slots* instead: block `rank`
+owns the rows of slots s = rank (mod K), whole, so every gather and every store is a whole
+256-byte row, and no other block ever reads or writes those rows. The chunk's ids, weights,
+beta and values slice are copied into shared memory with cp.async one chunk ahead. Per chunk of
+C tokens, each block
 
   1. lists its owned write and read entries in entry order (a ballot scan);
   2. copies its owned write rows into shared memory (cp.async, whole rows) and, meanwhile,

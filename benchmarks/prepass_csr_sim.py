@@ -8,7 +8,10 @@ never wrote shows in the outputs. Inputs: per token row of G and H a list of ter
 in the walk's order, with cancellations, -0.0 products and the odd inf; dyadic values, so that
 float64 arithmetic is exact and a + b * c equals the device's fma, signed zeros included.
 Compares sp_ptr, sp_col and sp_val (bit patterns, NaN canonical as on the device) over whole
-buffers.   python benchmarks/prepass_csr_sim.py [cases]"""
+buffers.
+
+    python benchmarks/prepass_csr_sim.py [CASES]   # CASES chunks, default 300
+"""
 import math
 import random
 import struct

@@ -2,7 +2,8 @@
 
     python3 benchmarks/runner_overhead.py            # CPU: the host capture stand-in
     python3 benchmarks/runner_overhead.py --gpu      # CuPy arrays, real CUDA graphs
-    python3 benchmarks/runner_overhead.py --profile  # cProfile of the forward-only replay
+    python3 benchmarks/runner_overhead.py --profile  # cProfile of each case
+                                                     # (--only forward: the decode replay)
     python3 benchmarks/runner_overhead.py --compare /tmp/old/graphs   # A/B, one process
 
 Cases (both through ``GraphRunner.forward``, after the capture):
@@ -16,7 +17,8 @@ Cases (both through ``GraphRunner.forward``, after the capture):
 On the CPU the stand-in's launch is replaced by a no-op by default (``--launch none``), so the
 time is the runner's bookkeeping plus the fresh output copies; ``--launch standin`` re-runs
 the op as the stand-in does. With ``--gpu`` the shapes default to the decode step of
-bench_graphs.py (T=1, B=64, P=8, hd=128, S=16384, W=16, bf16) and the time is the host
+bench_graphs.py (T=1, B=64, P=8, hd=128, S=16384, W=16, bf16; the training case B=1, T=64,
+``--train-shape``) and the time is the host
 (enqueue) time: the device is synchronised between blocks of ``--sync-every`` calls, outside
 the timed part, so that a full launch queue does not throttle the host.
 

@@ -273,7 +273,13 @@ def parse_args(argv=None):
     p.add_argument("--min-accuracy", type=float, default=None,
                    help="exit 1 if the final held-out accuracy is below this")
     p.add_argument("--no-progress", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.plot:   # refuse before training, not after it
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            p.error("--plot needs matplotlib: pip install matplotlib (or sdm-cupy's [plot] extra)")
+    return args
 
 
 def main(argv=None) -> int:

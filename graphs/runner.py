@@ -118,8 +118,10 @@ class GraphRunner:
             ``backward_replay``, ``stale_replay`` (a backward that replayed its forward first),
             ``forward_shared`` (an entry taken from another runner in a region) and the eager
             reasons ``eager_shape``, ``eager_capture_failed``, ``eager_suspended``,
-            ``eager_nested_capture``, ``eager_host``, ``eager_released``, ``eager_backward``.
-            Each reason logs one warning per runner.
+            ``eager_nested_capture``, ``eager_host``, ``eager_released``, ``eager_backward``,
+            ``eager_backward_capture`` and ``eager_backward_settings`` (the backward runs eager
+            on the graph's state: its capture failed, or settings changed since). Each reason
+            logs one warning per runner.
 
     Example:
         >>> runner = GraphRunner("layer0")

@@ -31,6 +31,21 @@ def gpu_available() -> bool:
         return False
 
 
+def _why_no_gpu() -> str:
+    """Why gpu_available() is False, in words a user can act on."""
+    try:
+        import cupy
+    except ImportError:
+        return "CuPy is not installed: pip install -e '.[cuda13]' (or cuda12)"
+    except Exception as e:  # noqa: BLE001 - a broken install says what broke
+        return f"CuPy does not import: {type(e).__name__}: {e}"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # noqa: BLE001 - no driver, or a driver too old for this CuPy
+        return f"CuPy {cupy.__version__} finds no CUDA driver or device: {type(e).__name__}: {e}"
+    return f"CuPy {cupy.__version__} sees {n} CUDA devices"
+
+
 def check_device_errors(reset: bool = True) -> None:
     """Raises ValueError if a GPU kernel met a slot id outside [0, S) since the last check
     (calls with ``check_indices=False`` skip such ids instead of touching memory out of

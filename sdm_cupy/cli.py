@@ -31,14 +31,14 @@ def main(argv=None) -> int:
         import numba
         import numpy as np
 
-        from . import __version__, gpu_available
+        from . import __version__, _why_no_gpu, gpu_available
         print(f"sdm-cupy {__version__}; numpy {np.__version__}; numba {numba.__version__}")
         if gpu_available():
             import cupy
             name = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
             print(f"GPU backend: CuPy {cupy.__version__} on {name}")
         else:
-            print("GPU backend: not available (CuPy missing or no CUDA device); CPU backend: Numba")
+            print(f"GPU backend: not available ({_why_no_gpu()}); CPU backend: Numba")
         return 0
     return 2
 

@@ -66,10 +66,11 @@ def recall_accuracy(readings, stored):
 def run(B=4, N=1024, S=4096, P=4, hd=64, W=8, C=64, rounds=5, device="auto", seed=0, out=print):
     from tqdm import tqdm
 
-    from . import gpu_available
+    from . import _why_no_gpu, gpu_available
     use_gpu = device == "gpu" or (device == "auto" and gpu_available())
     if device == "gpu" and not gpu_available():
-        raise SystemExit("sdm-cupy demo: --device gpu asked for, but CuPy sees no CUDA device")
+        raise SystemExit("sdm-cupy demo: --device gpu asked for, but the GPU backend is not "
+                         f"available: {_why_no_gpu()}")
     xp = np
     if use_gpu:
         import cupy as xp

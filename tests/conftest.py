@@ -27,6 +27,30 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.hookimpl(trylast=True)   # after -m / -k have deselected
+def pytest_collection_finish(session):
+    """Starts the long child processes of the selected tests that list one (tests/early.py),
+    so that they run beside the rest of the suite. Not under pytest-xdist (each worker
+    collects every test; there a test starts its own child when it runs) nor --collect-only."""
+    config = session.config
+    if config.option.collectonly or hasattr(config, "workerinput") or \
+            getattr(config.option, "numprocesses", None):
+        return
+    import early
+    funcs = []
+    for item in session.items:
+        fn = getattr(getattr(item, "module", None), "EARLY", {}).get(getattr(item, "originalname", ""))
+        if fn is not None and not item.get_closest_marker("skip") and \
+                not any(m.args and m.args[0] for m in item.iter_markers("skipif")):
+            funcs.append(fn)
+    early.start(funcs)
+
+
+def pytest_sessionfinish(session):
+    import early
+    early.stop_all()
+
+
 @pytest.fixture
 def rng(request):
     # fresh inputs every run, reproducible from the printed seed

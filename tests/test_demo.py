@@ -42,4 +42,25 @@ def test_cli_demo_and_info():
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert "recall accuracy" in r.stdout and "CPU (Numba)" in r.stdout
+
+
+def test_info_names_the_backends_and_why_there_is_no_gpu(capsys, monkeypatch):
+    import sdm_cupy
     assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"sdm-cupy {sdm_cupy.__version__}; numpy ")
+    if sdm_cupy.gpu_available():
+        assert "GPU backend: CuPy " in out
+    else:   # the reason, not a guess between two
+        assert "GPU backend: not available (CuPy " in out and "CPU backend: Numba" in out
+    monkeypatch.setitem(sys.modules, "cupy", None)   # as if CuPy were not installed
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU backend: not available (CuPy is not installed: pip install" in out
+
+
+def test_demo_on_gpu_without_one_says_why(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)   # as if CuPy were not installed
+    with pytest.raises(SystemExit, match="--device gpu asked for, but the GPU backend is not "
+                                         "available: CuPy is not installed"):
+        demo.run(B=1, N=16, S=256, P=1, hd=8, W=2, rounds=1, device="gpu", out=lambda s: None)

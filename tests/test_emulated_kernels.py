@@ -25,6 +25,7 @@ import sys
 import numpy as np
 import pytest
 
+import early
 import emu
 import sdm_cupy as sdm
 from helpers import (BF16, assert_close, make_problem, reference_bwd, reference_fwd,
@@ -517,23 +518,59 @@ ASAN_CASES = ["f64-C16-tile6", "f64-C1", "f32-bwd-ranges-256", "bf16-staged", "b
               "bf16-W16-hd128"]
 
 
-@pytest.mark.skipif(emu.asan(), reason="the driver of the AddressSanitizer run")
-def test_kernels_under_address_sanitizer(tmp_path):
-    """A child process runs a set of the tests above (all four bad-id cases included) with the
-    kernels built with AddressSanitizer: any read or write outside an array, global or shared,
-    fails it; and a kernel that writes one element past its array is caught."""
-    try:
-        env = emu.asan_env()
-    except (subprocess.CalledProcessError, OSError) as e:
-        pytest.skip(f"no libasan for {emu.compiler()}: {e}")
+def _asan_spec():
+    """(command, environment) of the AddressSanitizer child; raises where there is no libasan."""
+    env = emu.asan_env()
     env["SDM_EMU_CACHE"] = os.environ.get("SDM_EMU_CACHE", "") or emu.cache_dir()
     sel = " or ".join([f"test_kernels_match_reference[{c}]" for c in ASAN_CASES]
-                      + ["test_bad_ids", "test_random_layouts", "test_quantized_snapshots_match_the_cpu_backend[bf16-fp8]",
-                         "test_asan_catches"])
+                      + ["test_bad_ids", "test_random_layouts", "test_asan_catches",
+                         "test_quantized_snapshots_match_the_cpu_backend[bf16-fp8]"])
     here = os.path.dirname(os.path.abspath(__file__))
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
            os.path.join(here, "test_emulated_kernels.py"), "-k", sel]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+    return cmd, env
+
+
+def _tsan_specs():
+    """(command, environment, cwd) of the two ThreadSanitizer children: a kernel with a known
+    race, and tests/emu/racecheck.py; raises where there is no libtsan."""
+    env = emu.tsan_env()
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import sys; sys.path.insert(0, {here!r}); "
+            "import test_emulated_kernels as t; t._selftest(5)")
+    return {"tsan-selftest": ([sys.executable, "-c", code], env, "/"),
+            "tsan-racecheck": ([sys.executable, os.path.join(here, "emu", "racecheck.py")],
+                               None, None)}
+
+
+# (conftest calls these only for tests that would not skip, so their skipif conditions hold)
+def _start_asan():
+    try:
+        cmd, env = _asan_spec()
+    except (subprocess.CalledProcessError, OSError):
+        return {}   # the test skips, saying why
+    return {"asan": early.Child(cmd, env=env)}
+
+
+def _start_tsan():
+    try:
+        specs = _tsan_specs()
+    except (subprocess.CalledProcessError, OSError):
+        return {}
+    return {k: early.Child(cmd, env=env, cwd=cwd) for k, (cmd, env, cwd) in specs.items()}
+
+
+@pytest.mark.skipif(emu.asan(), reason="the driver of the AddressSanitizer run")
+def test_kernels_under_address_sanitizer():
+    """A child process runs a set of the tests above (all four bad-id cases included) with the
+    kernels built with AddressSanitizer: any read or write outside an array, global or shared,
+    fails it; and a kernel that writes one element past its array is caught. (Started right
+    after collection where it can be: tests/early.py.)"""
+    try:
+        cmd, env = _asan_spec()
+    except (subprocess.CalledProcessError, OSError) as e:
+        pytest.skip(f"no libasan for {emu.compiler()}: {e}")
+    r = early.take("asan", cmd, env=env).wait(timeout=1200)
     tail = (r.stdout + r.stderr)[-6000:]
     assert r.returncode == 0, f"AddressSanitizer run failed:\n{tail}"
     assert "passed" in r.stdout and "AddressSanitizer" not in r.stdout + r.stderr, tail
@@ -544,20 +581,21 @@ def test_no_unknown_race_under_thread_sanitizer():
     """tests/emu/racecheck.py: the kernels built with ThreadSanitizer (barriers order memory,
     nothing else does), three cases with repeated slots; every unordered pair of accesses
     inside a block must be one of its known harmless races. And a kernel that reads a
-    neighbour's shared word without a barrier is reported."""
+    neighbour's shared word without a barrier is reported. (Both started right after
+    collection where they can be: tests/early.py.)"""
     try:
-        env = emu.tsan_env()
+        specs = _tsan_specs()
     except (subprocess.CalledProcessError, OSError) as e:
         pytest.skip(f"no libtsan for {emu.compiler()}: {e}")
-    here = os.path.dirname(os.path.abspath(__file__))
-    code = (f"import sys; sys.path.insert(0, {here!r}); "
-            "import test_emulated_kernels as t; t._selftest(5)")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                       cwd="/", timeout=600)
+    r = early.take("tsan-selftest", *specs["tsan-selftest"]).wait(timeout=600)
     assert r.returncode != 0 and "data race" in r.stderr, r.stderr[-3000:]
-    r = subprocess.run([sys.executable, os.path.join(here, "emu", "racecheck.py")],
-                       capture_output=True, text=True, timeout=1800)
+    r = early.take("tsan-racecheck", *specs["tsan-racecheck"]).wait(timeout=1800)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+
+
+# Long children their tests start right after collection (conftest.py, tests/early.py)
+EARLY = {"test_kernels_under_address_sanitizer": _start_asan,
+         "test_no_unknown_race_under_thread_sanitizer": _start_tsan}
 
 
 @pytest.mark.skipif(not emu.asan(), reason="runs inside test_kernels_under_address_sanitizer")
@@ -569,7 +607,7 @@ def test_asan_catches_a_write_past_the_end():
     assert r.returncode != 0 and "heap-buffer-overflow" in r.stderr, r.stderr[-3000:]
 
 
-# ---- a forward's chunk carried to its backward (stops 21-22; their GPU tests await a device) --
+# ---- a forward's chunk carried to its backward (stops 21-22; on the H200 since stop 24) ----------
 def _forward(pb, cfg, **knobs_during):
     """gpu.sdm_fwd with snapshots on a copy of the bank, the gpu knobs `knobs_during` set for
     the forward only: (layout, inputs, bank after it, readings, snapshots, final bank)."""

@@ -7,7 +7,7 @@ their pairs of kernel source lines, and each pair is compared with KNOWN below: 
 there by design, each with the reason it is harmless on the GPU. A pair not in KNOWN fails
 the run (exit status 1).
 
-    python tests/emu/racecheck.py            # the cases of CASES; about 2 min per case
+    python tests/emu/racecheck.py   # the cases of CASES; up to 2 min a case, cold build cache
 
 TSan sees only the interleavings that the emulator runs, and only pairs of accesses that no
 barrier orders; it cannot tell a harmless same-value store from a harmful one, hence KNOWN."""
