@@ -33,7 +33,7 @@ fb --W 8
 # scatter's walk (the default), as the separate pass, none (wrong snapshots), the separate
 # pass's scan alone (wrong), main's plans
 F=../kernels/sdm_fwd.cu
-ab fused=$F sep=$F:-DSDM_FWD_SUB_SEPARATE nopass=$F:-DSDM_FWD_NO_SUB_PASS "scan=$F:-DSDM_FWD_SUB_SEPARATE -DSDM_FWD_SUB_SCAN_ONLY" off=$F@$OFF --source fwd --graph --reps 8
+ab fused=$F sep=$F:-DSDM_FWD_SUB_SEPARATE nopass=$F:-DSDM_FWD_NO_SUB_PASS "scan=$F:-DSDM_FWD_SUB_SEPARATE -DSDM_FWD_SUB_SCAN_ONLY" off=$F@$OFF --source fwd --graph --reps 8 --check
 for a in "--W 32" "--hd 64" "--W 4"; do fb $a; done
 ab off=$B@$OFF new=$B --source bwd --graph --reps 8   # the forward alone: the pass's cost
 # the forward's code: main's source (CB accepted, unused) against the branch's, same plans
