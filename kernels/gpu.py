@@ -584,15 +584,15 @@ def sdm_fwd(lay: Layout, config, bank, write_idx, write_w, values, beta, read_id
     # (and snapshots); elsewhere the plan's tiles run the other instance's general gather
     rs = int(pl.rstage and bool(vecmask & 1) and (bool(vecmask & 8) or not save_snapshots)
              and not fuse)
-    _launch("fwd", key, K.fwd_name(lay.bank_dtype, vk, lay.index_dtype, q, rs),
+    cb = pl.sub.bit_length() - 1 if pl.sub and save_snapshots and mode is None else 0
+    _launch("fwd", key, K.fwd_name(lay.bank_dtype, vk, lay.index_dtype, q, rs, int(cb > 0)),
             lay.B * lay.P * pl.ntile, pl.smem_fwd,
             (bank, write_idx, write_w, v, beta, read_idx, read_w, sp_ptr, sp_col, sp_val, wrun,
              out, snap, scale if scale is not None else out, np.int32(lay.T), np.int32(lay.P),
              np.int32(lay.hd), np.int32(lay.W), np.int64(lay.S), np.int32(pl.C),
              np.int32(pl.Nt), np.int32(pl.TW), np.int32(pl.ntile), np.int32(int(save_snapshots)),
              np.int32(vecmask), np.int32(int(pl.keep)), np.int32(pl.CS), np.int32(int(fuse)),
-             np.int32(pl.sub.bit_length() - 1 if pl.sub and save_snapshots and mode is None
-                      else 0), _err_array()) + _div_params(lay, pl), threads)
+             np.int32(cb), _err_array()) + _div_params(lay, pl), threads)
     readings = out if vk == lay.value_dtype else out.astype(lay.value_dtype)
     return readings, (SavedSnapshots((snap, scale), pl.sub or pl.C, settings())
                       if save_snapshots else None)

@@ -92,7 +92,10 @@ struct FwdStage {
 // flight at once, beside the kept write rows), on the fast path; the launcher sizes the tiles
 // for one 512-thread block per SM (gpu.STAGE_READS). A template parameter rather than a flag:
 // the register gather's code in the same instance cost registers and spills (stop 18).
-template <typename T, typename V, typename A, typename I, int Q, int N, int RS = 0>
+// SUB = 1 (Q = 0 only): the instance that writes sub-chunk snapshots (CB > 0; the launcher
+// passes CB = 0 to every other instance). Its code in every instance cost the forward 2.8%
+// where no sub-chunk runs (H100, stop 27).
+template <typename T, typename V, typename A, typename I, int Q, int N, int RS = 0, int SUB = 0>
 __global__ void __launch_bounds__(512) SDM_FWD_CLUSTER_ATTR
 sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restrict__ aw,
                const V* __restrict__ vals, const A* __restrict__ beta,
@@ -665,7 +668,7 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
     // compiles the snapshots of later sub-chunks out, -DSDM_FWD_SUB_SCAN_ONLY keeps the pass's
     // scan of the tasks and skips every run (what the scan costs, what the runs cost).
 #if defined(SDM_FWD_SUB_SEPARATE) && !defined(SDM_FWD_NO_SUB_PASS)
-    if constexpr (Q == 0) {
+    if constexpr (Q == 0 && SUB != 0) {
       if (CB > 0 && save) {
 #pragma unroll 1
         for (int task = threadIdx.x; task < Ne * NPC; task += blockDim.x) {
@@ -715,7 +718,7 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
 #if defined(SDM_FWD_SUB_SEPARATE) || defined(SDM_FWD_NO_SUB_PASS)
     constexpr bool SUB_HERE = false;
 #else
-    constexpr bool SUB_HERE = Q == 0;
+    constexpr bool SUB_HERE = Q == 0 && SUB != 0;
 #endif
     const bool sub = SUB_HERE && CB > 0 && save;
     auto add_run = [&](A (&m)[N], int e, int cc) {
