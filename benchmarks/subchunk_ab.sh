@@ -29,6 +29,11 @@ OFF=SUB_SNAPSHOTS=0,BWD_DM_STAGE=0
 fb() { ab off=$B@$OFF new=$B off2=$B@$OFF new2=$B --source bwd --backward --graph --reps 6 "$@"; }
 fb
 fb --W 8
+# the narrower rule (stop 27): the dM stage only where it fits at the backward's own chunk, no
+# sub-chunks (on the branch's plans that is W = 4 only, of these shapes)
+for a in "--W 4" "--W 8" ""; do
+  ab dm=$B@SUB_SNAPSHOTS=0 off=$B@$OFF dm2=$B@SUB_SNAPSHOTS=0 off2=$B@$OFF --source bwd --backward --graph --reps 6 $a
+done
 # the forward's cost of the sub-chunk snapshots (stop 24: +11.1% as a pass of its own): in the
 # scatter's walk (the default), as the separate pass, none (wrong snapshots), the separate
 # pass's scan alone (wrong), main's plans
