@@ -75,6 +75,9 @@ BWD_DM_STAGE = True         # the backward also stages the dM rows of its writes
 SUB_SNAPSHOTS = True        # a forward that saves exact snapshots keeps its longer chunk where
                             # the backward's is a divisor, and saves them for the backward's
                             # sub-chunks (experiment, branch wip/subchunk-snapshots)
+BWD_DM_HALVE = True         # the backward halves its chunk (down to STAGE_MIN_CHUNK) for a dM
+                            # stage that does not fit at its own (needs SUB_SNAPSHOTS: the saving
+                            # forward keeps its chunk); False: the stage only where it fits
 STAGE_READS = None          # forward: wider column tiles, one block per SM of STAGE_THREADS,
                             # the read rows staged in shared memory beside the kept write rows
                             # (None: where it fits and widens the tile or runs one wave; true:
@@ -96,7 +99,8 @@ _ERRORS = {1: "write_idx values must lie in [0, num_memory_slots)",
 
 _SETTING_NAMES = ("TILE_WIDTH", "THREADS", "KEEP_ROWS", "PREPASS_THREADS", "BWD_THREADS",
                   "FUSE_THREADS", "BWD_TILE_WIDTH", "BWD_SCRATCH", "STAGE_READS", "STAGE_THREADS",
-                  "STAGE_MIN_CHUNK", "BWD_CHUNK", "BWD_DM_STAGE", "SUB_SNAPSHOTS", "FWD_CHUNK")
+                  "STAGE_MIN_CHUNK", "BWD_CHUNK", "BWD_DM_STAGE", "SUB_SNAPSHOTS", "BWD_DM_HALVE",
+                  "FWD_CHUNK")
 _get_settings = operator.itemgetter(*_SETTING_NAMES)
 
 
@@ -438,6 +442,7 @@ def _plan(lay: Layout, quant, limits, backward, cmax=None, exact_snapshots=True,
         if alt.smem_bwd_snap:
             return alt
     if (backward and bwd_snap and not bwd_dm and BWD_DM_STAGE and SUB_SNAPSHOTS
+            and BWD_DM_HALVE
             and exact_snapshots and BWD_CHUNK is None and chunk is None
             and C // 2 >= STAGE_MIN_CHUNK and C & (C - 1) == 0):
         # (a power of two, so that the saving forward keeps its chunk: Plan.sub)
