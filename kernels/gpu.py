@@ -70,14 +70,15 @@ FWD_CHUNK = None            # upper bound of the forward's internal chunk (None:
                             # double; benchmarks)
 BWD_CHUNK = None            # the same for the backward (benchmarks)
 BWD_DM_STAGE = True         # the backward also stages the dM rows of its writes and the bank
-                            # rows of its reads beside its exact snapshots (halving its chunk
-                            # for them, down to STAGE_MIN_CHUNK); False: snapshots alone
+                            # rows of its reads beside its exact snapshots, where they fit
+                            # (stop 28, H100: W = 4 -3%, hd = 64 W = 8 -6%; H200 W = 4: 0%)
 SUB_SNAPSHOTS = True        # a forward that saves exact snapshots keeps its longer chunk where
-                            # the backward's is a divisor, and saves them for the backward's
-                            # sub-chunks (experiment, branch wip/subchunk-snapshots)
-BWD_DM_HALVE = True         # the backward halves its chunk (down to STAGE_MIN_CHUNK) for a dM
-                            # stage that does not fit at its own (needs SUB_SNAPSHOTS: the saving
-                            # forward keeps its chunk); False: the stage only where it fits
+                            # the backward's is a power-of-two divisor of it, and saves them for
+                            # the backward's sub-chunks (stop 28, H100: hd = 64 W = 64 -17%)
+BWD_DM_HALVE = False        # the backward halves its chunk (down to STAGE_MIN_CHUNK) for a dM
+                            # stage that does not fit at its own; needs SUB_SNAPSHOTS. Off: it
+                            # loses at most shapes (H200 stop 28: W = 8 +8%, W = 32 +4%, hd = 64
+                            # +4%) though it wins at the headline (H200 -6.1%, H100 -0.3 to -1.6%)
 STAGE_READS = None          # forward: wider column tiles, one block per SM of STAGE_THREADS,
                             # the read rows staged in shared memory beside the kept write rows
                             # (None: where it fits and widens the tile or runs one wave; true:
