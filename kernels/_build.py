@@ -119,17 +119,20 @@ def _t(dt) -> str:
     return CTYPE[np.dtype(dt)]
 
 
-def fwd_name(bank, vk, idx, q: int, rs: int = 0) -> str:
-    """The forward's instance; ``rs`` 1: its read rows staged in shared memory (q <= 1)."""
+def fwd_name(bank, vk, idx, q: int, rs: int = 0, sb: int = 0) -> str:
+    """The forward's instance; ``rs`` 1: its read rows staged in shared memory (q <= 1);
+    ``sb`` 1: it writes sub-chunk snapshots (q == 0)."""
     acc = compute_dtype(bank, vk)
+    tail = f",{int(rs)},1" if sb else (",1" if rs else "")
     return (f"sdm::sdm_fwd_kernel<{_t(bank)},{_t(vk)},{_t(acc)},{_t(idx)},{q},"
-            f"{vec_width(bank)}{',1' if rs else ''}>")
+            f"{vec_width(bank)}{tail}>")
 
 
-def bwd_name(bank, vk, gt, idx, q: int) -> str:
+def bwd_name(bank, vk, gt, idx, q: int, ds: int = 0) -> str:
+    """The backward's instance; ``ds`` 1: with the dM stage (q == 0)."""
     acc = compute_dtype(bank, vk)
     return (f"sdm::sdm_bwd_kernel<{_t(bank)},{_t(vk)},{_t(acc)},{_t(gt)},{_t(idx)},{q},"
-            f"{vec_width(bank)}>")
+            f"{vec_width(bank)}{',1' if ds else ''}>")
 
 
 def prepass_name(acc, idx, sparse: int) -> str:
@@ -156,9 +159,11 @@ def _names(src: str, key: tuple) -> list:
     if src == "fwd":
         return ([fwd_name(bank, vk, idx, QUANT_CODE[m]) for m in quant_modes(bank)]
                 + [fwd_name(bank, vk, idx, QUANT_CODE[m], 1) for m in quant_modes(bank)
-                   if QUANT_CODE[m] <= 1])
-    return [bwd_name(bank, vk, gt, idx, QUANT_CODE[m])
-            for gt in grad_dtypes(bank, vk) for m in quant_modes(bank)]
+                   if QUANT_CODE[m] <= 1]
+                + [fwd_name(bank, vk, idx, 0, rs, 1) for rs in (0, 1)])
+    return ([bwd_name(bank, vk, gt, idx, QUANT_CODE[m])
+             for gt in grad_dtypes(bank, vk) for m in quant_modes(bank)]
+            + [bwd_name(bank, vk, gt, idx, 0, 1) for gt in grad_dtypes(bank, vk)])
 
 
 def module_keys(src: str) -> list:

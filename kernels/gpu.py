@@ -29,8 +29,9 @@ between a forward and its backward: the snapshots carry the forward's chunk
 ``BWD_TILE_WIDTH`` (None: automatic) the backward's tile width, ``BWD_SCRATCH`` the backward's
 pre-pass scratch per range of chunks, ``STAGE_READS`` (None: automatic) whether the forward
 stages its read rows in shared memory (wider tiles, one block of ``STAGE_THREADS`` per
-multiprocessor), ``STAGE_MIN_CHUNK`` the shortest chunk the forward and the backward halve their
-chunk to for a stage that fits, ``FWD_CHUNK`` and ``BWD_CHUNK`` (None: no bound) upper bounds of the forward's
+multiprocessor), ``BWD_DM_STAGE`` whether the backward also stages the dM rows of its writes
+and the bank rows of its reads beside its exact snapshots, ``STAGE_MIN_CHUNK`` the shortest
+chunk the forward and the backward halve their chunk to for a stage that fits, ``FWD_CHUNK`` and ``BWD_CHUNK`` (None: no bound) upper bounds of the forward's
 and the backward's internal chunk (benchmarks).
 """
 
@@ -68,6 +69,16 @@ KEEP_SMEM = 110 * 1024      # shared memory per block under which two blocks fit
 FWD_CHUNK = None            # upper bound of the forward's internal chunk (None: 64, 32 for
                             # double; benchmarks)
 BWD_CHUNK = None            # the same for the backward (benchmarks)
+BWD_DM_STAGE = True         # the backward also stages the dM rows of its writes and the bank
+                            # rows of its reads beside its exact snapshots, where they fit
+                            # (stop 28, H100: W = 4 -3%, hd = 64 W = 8 -6%; H200 W = 4: 0%)
+SUB_SNAPSHOTS = True        # a forward that saves exact snapshots keeps its longer chunk where
+                            # the backward's is a power-of-two divisor of it, and saves them for
+                            # the backward's sub-chunks (stop 28, H100: hd = 64 W = 64 -17%)
+BWD_DM_HALVE = False        # the backward halves its chunk (down to STAGE_MIN_CHUNK) for a dM
+                            # stage that does not fit at its own; needs SUB_SNAPSHOTS. Off: it
+                            # loses at most shapes (H200 stop 28: W = 8 +8%, W = 32 +4%, hd = 64
+                            # +4%) though it wins at the headline (H200 -6.1%, H100 -0.3 to -1.6%)
 STAGE_READS = None          # forward: wider column tiles, one block per SM of STAGE_THREADS,
                             # the read rows staged in shared memory beside the kept write rows
                             # (None: where it fits and widens the tile or runs one wave; true:
@@ -89,7 +100,8 @@ _ERRORS = {1: "write_idx values must lie in [0, num_memory_slots)",
 
 _SETTING_NAMES = ("TILE_WIDTH", "THREADS", "KEEP_ROWS", "PREPASS_THREADS", "BWD_THREADS",
                   "FUSE_THREADS", "BWD_TILE_WIDTH", "BWD_SCRATCH", "STAGE_READS", "STAGE_THREADS",
-                  "STAGE_MIN_CHUNK", "BWD_CHUNK", "FWD_CHUNK")
+                  "STAGE_MIN_CHUNK", "BWD_CHUNK", "BWD_DM_STAGE", "SUB_SNAPSHOTS", "BWD_DM_HALVE",
+                  "FWD_CHUNK")
 _get_settings = operator.itemgetter(*_SETTING_NAMES)
 
 
@@ -157,6 +169,9 @@ class Plan:
     seg: int            # chunks per range of the backward (its pre-pass scratch)
     smem_bwd_snap: int = 0   # the backward with its chunk's exact snapshot rows staged in
                              # shared memory (0: they do not fit beside the rest)
+    smem_bwd_dm: int = 0     # ... and its dM rows and read rows too (0: off, or no fit)
+    sub: int = 0             # a saving forward: the backward's chunk, a divisor of C, for which
+                             # it saves exact snapshots (0: C itself)
     rstage: bool = False     # the forward stages its read rows too (smem_fwd includes them)
     fwd_threads: int = 0     # the forward's block size (0: THREADS)
 
@@ -257,10 +272,16 @@ def plan(lay: Layout, config, *, quant=None, limits=None, backward=False,
            KEEP_SMEM, E_STAGE, BE_STAGE)
     pl = _PLANS.get(key)
     if pl is None:
-        if saves:   # at most the chunk the backward would take by itself
-            cmax = plan(lay, config, limits=limits, backward=True,
-                        exact_snapshots=quant is None).C
-            pl = _plan(lay, quant, limits, False, cmax=cmax)
+        if saves:   # the chunk the backward takes by itself, or a multiple of it
+            cb = plan(lay, config, limits=limits, backward=True,
+                      exact_snapshots=quant is None).C
+            own = _plan(lay, quant, limits, False)
+            # (a power of two: the kernel shifts by its log)
+            if (SUB_SNAPSHOTS and quant is None and own.C > cb >= 2 and own.C % cb == 0
+                    and cb & (cb - 1) == 0):
+                pl = dataclasses.replace(own, sub=cb)
+            else:
+                pl = _plan(lay, quant, limits, False, cmax=cb)
         else:
             pl = _plan(lay, quant, limits, backward, exact_snapshots=exact, chunk=chunk)
         if len(_PLANS) >= _PLANS_MAX:
@@ -286,8 +307,9 @@ def backward_plan(lay: Layout, config, *, limits=None, chunk=None, fwd_settings=
             width set since the forward made its snapshots leaves too little shared memory).
     """
     mode = config.snapshot_quant
-    if chunk is None:
-        chunk = plan(lay, config, quant=mode, limits=limits, saves=True).C
+    if chunk is None:   # a sub-chunk where the forward saved its snapshots for those
+        fwd = plan(lay, config, quant=mode, limits=limits, saves=True)
+        chunk = fwd.sub or fwd.C
     try:
         return plan(lay, config, limits=limits, backward=True, exact_snapshots=mode is None,
                     chunk=int(chunk))
@@ -402,6 +424,16 @@ def _plan(lay: Layout, quant, limits, backward, cmax=None, exact_snapshots=True,
     if (bwd_snap > (smem_max if bwd_per_sm == 1 else min(smem_max, KEEP_SMEM))
             or not exact_snapshots):   # quantized snapshots: nothing to stage
         bwd_snap = 0
+    # ... and with it the dM rows of the chunk's writes and the bank rows of its reads (round 1
+    # copies them all with cp.async, then reads shared memory only)
+    bwd_dm = 0
+    if bwd_snap and BWD_DM_STAGE:
+        rows = C * lay.W * (-(-TW // N) * N)
+        bwd_dm = (_r16(bwd) + _r16(rows * np.dtype(lay.bank_dtype).itemsize)
+                  + _r16(rows * np.dtype(lay.grad_bank_dtype).itemsize)
+                  + rows * np.dtype(lay.bank_dtype).itemsize)
+        if bwd_dm > (smem_max if bwd_per_sm == 1 else min(smem_max, KEEP_SMEM)):
+            bwd_dm = 0
     if (backward and not bwd_snap and exact_snapshots and BWD_CHUNK is None
             and chunk is None and C // 2 >= STAGE_MIN_CHUNK):
         # exact snapshots that do not fit beside this chunk: a shorter chunk whose snapshot
@@ -410,9 +442,19 @@ def _plan(lay: Layout, quant, limits, backward, cmax=None, exact_snapshots=True,
         alt = _plan(lay, quant, limits, backward, cmax=C // 2)
         if alt.smem_bwd_snap:
             return alt
+    if (backward and bwd_snap and not bwd_dm and BWD_DM_STAGE and SUB_SNAPSHOTS
+            and BWD_DM_HALVE
+            and exact_snapshots and BWD_CHUNK is None and chunk is None
+            and C // 2 >= STAGE_MIN_CHUNK and C & (C - 1) == 0):
+        # (a power of two, so that the saving forward keeps its chunk: Plan.sub)
+        # the same for the dM stage (the saving forward keeps its chunk: sub-chunk snapshots)
+        alt = _plan(lay, quant, limits, backward, cmax=C // 2, exact_snapshots=exact_snapshots)
+        if alt.smem_bwd_dm:
+            return alt
     return Plan(C=C, Nt=Nt, TW=TW, ntile=ntile, N=N, smem_pre=pre, smem_fwd=smem_fwd,
                 smem_bwd=bwd, keep=keep, CS=_r16((2 if backward else 1) * C * C), seg=seg,
-                smem_bwd_snap=bwd_snap, rstage=rstage, fwd_threads=fwd_threads)
+                smem_bwd_snap=bwd_snap, rstage=rstage, fwd_threads=fwd_threads,
+                smem_bwd_dm=bwd_dm)
 
 
 def check_config(lay: Layout, config) -> None:
@@ -548,17 +590,18 @@ def sdm_fwd(lay: Layout, config, bank, write_idx, write_w, values, beta, read_id
     # (and snapshots); elsewhere the plan's tiles run the other instance's general gather
     rs = int(pl.rstage and bool(vecmask & 1) and (bool(vecmask & 8) or not save_snapshots)
              and not fuse)
-    _launch("fwd", key, K.fwd_name(lay.bank_dtype, vk, lay.index_dtype, q, rs),
+    cb = pl.sub.bit_length() - 1 if pl.sub and save_snapshots and mode is None else 0
+    _launch("fwd", key, K.fwd_name(lay.bank_dtype, vk, lay.index_dtype, q, rs, int(cb > 0)),
             lay.B * lay.P * pl.ntile, pl.smem_fwd,
             (bank, write_idx, write_w, v, beta, read_idx, read_w, sp_ptr, sp_col, sp_val, wrun,
              out, snap, scale if scale is not None else out, np.int32(lay.T), np.int32(lay.P),
              np.int32(lay.hd), np.int32(lay.W), np.int64(lay.S), np.int32(pl.C),
              np.int32(pl.Nt), np.int32(pl.TW), np.int32(pl.ntile), np.int32(int(save_snapshots)),
              np.int32(vecmask), np.int32(int(pl.keep)), np.int32(pl.CS), np.int32(int(fuse)),
-             _err_array()) + _div_params(lay, pl), threads)
+             np.int32(cb), _err_array()) + _div_params(lay, pl), threads)
     readings = out if vk == lay.value_dtype else out.astype(lay.value_dtype)
-    return readings, (SavedSnapshots((snap, scale), pl.C, settings()) if save_snapshots
-                      else None)
+    return readings, (SavedSnapshots((snap, scale), pl.sub or pl.C, settings())
+                      if save_snapshots else None)
 
 
 def _fuse_threads(npc: int, W: int) -> int:
@@ -600,10 +643,11 @@ def sdm_bwd(lay: Layout, config, bank, inputs, snapshots, dr, dM):
     q = K.QUANT_CODE[mode]
     # exact snapshots staged in shared memory (the kernel also needs its fast path)
     ssnap = mode is None and pl.smem_bwd_snap > 0
+    dmst = ssnap and pl.smem_bwd_dm > 0
     key = (lay.bank_dtype, vk, lay.index_dtype)
     pkey = (acc, lay.index_dtype)
     pre_name = K.prepass_name(acc, lay.index_dtype, 2)
-    bwd_name = K.bwd_name(lay.bank_dtype, vk, gt, lay.index_dtype, q)
+    bwd_name = K.bwd_name(lay.bank_dtype, vk, gt, lay.index_dtype, q, int(dmst))
     for hi in range(pl.Nt, 0, -pl.seg):   # ranges of chunks, the last first
         lo = max(0, hi - pl.seg)
         _launch("prepass", pkey, pre_name, lay.B * lay.P * (hi - lo), pl.smem_pre,
@@ -612,12 +656,13 @@ def sdm_bwd(lay: Layout, config, bank, inputs, snapshots, dr, dM):
                  np.int32(hi - lo), val, srt, ptr, col, np.int32(pl.CS), _err_array()),
                 PREPASS_THREADS)
         _launch("bwd", key, bwd_name, lay.B * lay.P * pl.ntile,
-                pl.smem_bwd_snap if ssnap else pl.smem_bwd,
+                pl.smem_bwd_dm if dmst else pl.smem_bwd_snap if ssnap else pl.smem_bwd,
                 (bank, write_idx, write_w, v, beta, read_idx, read_w, ptr, col, val, srt, snap,
                  scale if scale is not None else d_beta, g, dM, d_aw, d_v, d_beta, d_cw,
                  np.int32(lay.T), np.int32(lay.P), np.int32(lay.hd), np.int32(lay.W),
                  np.int64(lay.S), np.int32(pl.C), np.int32(lo), np.int32(hi), np.int32(pl.TW),
-                 np.int32(pl.ntile), np.int32(pl.CS), np.int32(vecmask), np.int32(ssnap))
+                 np.int32(pl.ntile), np.int32(pl.CS), np.int32(vecmask),
+                 np.int32(2 if dmst else int(ssnap)))
                 + _div_params(lay, pl), BWD_THREADS)
     if vk != lay.value_dtype:
         d_v = d_v.astype(lay.value_dtype)

@@ -11,6 +11,8 @@
 //      snapshot of the write that heads j's run, or the bank row (not written in this chunk,
 //      so already M0); X = sum_w a M0[i], D = sum_w a dM[i], e0 = v - X, and dr_t . M0[j] (dc)
 //      u = Ainv diag(beta) e0;  e = e0 - tril(G,-1) u;  du = D + H^T dr;  z = Ainv^T du
+//      (with exact snapshots these rows are staged in shared memory where they fit: ssnap 1
+//      the snapshot rows, ssnap 2 all of them, copied with cp.async at once)
 //   2  per write entry again (L2): u_t . dM[i] + dX_t . M0[i] (da), dX = -beta z, and the
 //      rewind (the bank row gets its snapshot back); dv = beta z, dbeta_t = z_t . e_t
 // then the overlap terms of step 5 from the runs of equal slots, with dG[t,tau] = -beta_t
@@ -185,7 +187,10 @@ struct BwdStage {
 // profile found a spilled multiplier reloaded (LDL) before each use in the second round, 6.5%
 // of the stall samples; as parameters they come from the constant bank (NVRTC, headline
 // instance: spills 32/36 -> 8/24 bytes; H200: forward+backward -3.1%, stop 15).
-template <typename T, typename V, typename A, typename Gt, typename I, int Q, int N>
+// DS = 1 instances (exact snapshots only) add the dM stage (ssnap == 2); DS = 0 instances
+// compile without it, so that its code does not change theirs (stop 21 measured the other
+// paths 1.5-9.5% slower with it compiled in, on the same plans)
+template <typename T, typename V, typename A, typename Gt, typename I, int Q, int N, int DS = 0>
 __global__ void __launch_bounds__(512)
 sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restrict__ aw,
                const V* __restrict__ vals, const A* __restrict__ beta,
@@ -224,6 +229,11 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
   A* pb_s = reinterpret_cast<A*>(sp);                                                 // dbeta
   sp += r16((long long)C * NPT * sizeof(A));
   T* SN_s = reinterpret_cast<T*>(sp);   // C*W snapshot rows of the tile (only when staged)
+  // ssnap == 2 (the dM stage): after SN_s, the C*W dM rows of the chunk's write entries and the
+  // C*W bank rows of its reads (row 0 where a write of the chunk links the read, or its id is bad)
+  Gt* DM_s = reinterpret_cast<Gt*>(sp + r16((long long)C * W * TWP * sizeof(T)));
+  T* BR_s = reinterpret_cast<T*>(reinterpret_cast<unsigned char*>(DM_s) +
+                                 r16((long long)C * W * TWP * sizeof(Gt)));
 
   T* bank_b = bank + (long long)b * S * D + p * hd + c0;
   Gt* dM_b = dM + (long long)b * S * D + p * hd + c0;
@@ -237,6 +247,16 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
 #else
   const bool sst = ssnap && fast && Q == 0;
 #endif
+  // the dM stage: every row piece round 1 needs is copied with cp.async, all in flight at once,
+  // and round 2 takes its dM rows from there too (whole 16-byte words of dM per piece)
+  // (sm_80+: cp.async reads through L2, where the scatter's atomics update dM; a plain load
+  // could find a stale L1 line)
+#if __CUDA_ARCH__ >= 800
+  constexpr bool DM16 = DS != 0 && Q == 0 && (sizeof(Gt) * N) % 16 == 0;
+#else
+  constexpr bool DM16 = false;
+#endif
+  const bool dst = DM16 && sst && ssnap == 2;
 
   auto stage = [&](int n) {
     BwdStage<V, A, I> g;
@@ -524,7 +544,84 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
         }
       }
     };
-    if (sst) round1s();
+    // 1 with the dM stage: the copies first, then one pass from shared memory, the same terms
+    // in the same order as round1s
+    auto round1d = [&]() {
+      if constexpr (DM16) {
+        constexpr int GQ = (int)sizeof(Gt) * N / 16;   // 16-byte words of a dM piece
+        for (int i = threadIdx.x; i < Ne * NPC; i += blockDim.x) {
+          const int e = divNPC.div(i), cc = (i - e * NPC) * N, t = divW.div(e);
+          cp_async_row(SN_s + (long long)e * TWP + cc,
+                       snap + ((tokb + (long long)t * P) * W + (e - t * W)) * hd + c0 + cc);
+          const I id = g.wid[e], jd = g.rid[e];
+          const long long rw = valid_id(id, S) ? (long long)id : 0;
+          const long long rr = valid_id(jd, S) && !g.rl[e] ? (long long)jd : 0;
+#pragma unroll
+          for (int j = 0; j < GQ; ++j)
+            cp_async_row(reinterpret_cast<int4*>(DM_s + (long long)e * TWP + cc) + j,
+                         reinterpret_cast<const int4*>(dM_b + rw * D + cc) + j);
+          cp_async_row(BR_s + (long long)e * TWP + cc, bank_b + rr * D + cc);
+        }
+        cp_commit();
+        cp_wait<0>();
+        __syncthreads();
+        for (int base = 0; base < total; base += blockDim.x) {
+          const int task = base + threadIdx.x, ws = task % WS, tp = task / WS;
+          const bool act = task < total;
+          const int t = divNPC.div(tp), pc = tp - t * NPC, cc = pc * N;
+          A x[N], d[N], r[N];
+#pragma unroll
+          for (int i = 0; i < N; ++i) {
+            x[i] = A(0);
+            d[i] = A(0);
+            r[i] = act ? to_acc(g.drv[t * TVP + cc + i], A()) : A(0);
+          }
+          if (act) {
+#pragma unroll 2
+            for (int w = ws; w < W; w += WS) {
+              const int e = t * W + w;
+              const bool ok = valid_id(g.wid[e], S), okr = valid_id(g.rid[e], S);
+              const int lk = g.rl[e];
+              const A a = g.aw[e];
+              T raw[N], br[N];
+              RawPiece<N, Gt> gw;   // 16-byte words: DM_s is only 16-byte aligned
+#pragma unroll
+              for (int j = 0; j < GQ; ++j)
+                gw.u.q[j] = reinterpret_cast<const int4*>(DM_s + (long long)e * TWP + cc)[j];
+              const Gt (&gr)[N] = gw.u.v;
+              load_raw<N>(raw, SN_s + (long long)e * TWP + cc, N, true);
+              load_raw<N>(br, (lk ? SN_s + (long long)(lk - 1) * TWP : BR_s + (long long)e * TWP) + cc,
+                          N, true);
+              A sr = A(0);
+#pragma unroll
+              for (int i = 0; i < N; ++i) {
+                x[i] = ok ? x[i] + a * to_acc(raw[i], A()) : x[i];
+                d[i] = ok ? d[i] + a * to_acc(gr[i], A()) : d[i];
+                sr += r[i] * to_acc(br[i], A());
+              }
+              pc_s[e * NPT + pc] = okr ? sr : A(0);
+            }
+          }
+          for (int o = 1; o < WS; o <<= 1) {
+#pragma unroll
+            for (int i = 0; i < N; ++i) {
+              x[i] += __shfl_xor_sync(0xffffffffu, x[i], o);
+              d[i] += __shfl_xor_sync(0xffffffffu, d[i], o);
+            }
+          }
+          if (act && ws == 0) {
+#pragma unroll
+            for (int i = 0; i < N; ++i) {
+              E_s[t * TWP + cc + i] = to_acc(g.val[t * TVP + cc + i], A()) - x[i];
+              D_s[t * TWP + cc + i] = d[i];
+              R_s[t * TWP + cc + i] = r[i];
+            }
+          }
+        }
+      }
+    };
+    if (dst) round1d();
+    else if (sst) round1s();
     else if (fast) round1(BoolC<true>());
     else round1(BoolC<false>());
     __syncthreads();
@@ -619,7 +716,14 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
               for (int k = 0; k < BG; ++k) {
                 idk[k] = g.wid[t * W + w0 + k * WS];
                 okk[k] = valid_id(idk[k], S);
-                gq[k].load(dM_b + (long long)(okk[k] ? idk[k] : 0) * D + cc);
+                if (dst) {   // 16-byte words: DM_s is only 16-byte aligned
+#pragma unroll
+                  for (int j = 0; j < RawPiece<N, Gt>::NQ; ++j)
+                    gq[k].u.q[j] = reinterpret_cast<const int4*>(
+                        DM_s + (long long)(t * W + w0 + k * WS) * TWP + cc)[j];
+                } else {
+                  gq[k].load(dM_b + (long long)(okk[k] ? idk[k] : 0) * D + cc);
+                }
               }
 #pragma unroll
               for (int k = 0; k < BG; ++k) {

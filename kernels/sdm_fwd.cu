@@ -92,7 +92,10 @@ struct FwdStage {
 // flight at once, beside the kept write rows), on the fast path; the launcher sizes the tiles
 // for one 512-thread block per SM (gpu.STAGE_READS). A template parameter rather than a flag:
 // the register gather's code in the same instance cost registers and spills (stop 18).
-template <typename T, typename V, typename A, typename I, int Q, int N, int RS = 0>
+// SUB = 1 (Q = 0 only): the instance that writes sub-chunk snapshots (CB > 0; the launcher
+// passes CB = 0 to every other instance). Its code in every instance cost the forward 2.8%
+// where no sub-chunk runs (H100, stop 27).
+template <typename T, typename V, typename A, typename I, int Q, int N, int RS = 0, int SUB = 0>
 __global__ void __launch_bounds__(512) SDM_FWD_CLUSTER_ATTR
 sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restrict__ aw,
                const V* __restrict__ vals, const A* __restrict__ beta,
@@ -102,7 +105,7 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
                V* __restrict__ out, typename Snap<T, Q>::type* __restrict__ snap,
                float* __restrict__ scale,
                int T_, int P, int hd, int W, long long S, int C, int Nt, int TW, int ntile,
-               int save, int vecmask, int keep, int CS, int fuse, int* err,
+               int save, int vecmask, int keep, int CS, int fuse, int CB, int* err,
                unsigned mW, unsigned mNPC, unsigned mNPC_last) {
   typedef typename Snap<T, Q>::type ST;
   const int tile = blockIdx.x % ntile, bp = blockIdx.x / ntile, p = bp % P, b = bp / P;
@@ -130,6 +133,7 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
   const bool rstage = RS && rowcp;
 #ifdef SDM_FWD_CLUSTER
   constexpr int CL = SDM_FWD_CLUSTER;
+  if (CB > 0) __trap();   // its kept rows are whole rows: the sub-chunk pass reads tiles
   if (!(rowcp && !fuse && ntile == CL && TW * CL == hd && C % CL == 0 &&
         (int)cluster_rank() == tile))
     __trap();
@@ -649,14 +653,98 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
       }
       store_piece<N>(out + ((long long)b * T_ + t0 + t) * D + p * hd + c0 + cc, r, nv, vo);
     }
+    // CB > 0 (exact snapshots for a backward that walks 2^CB-token sub-chunks of this chunk): a
+    // write entry whose slot was written in an earlier sub-chunk gets, as its snapshot, the row
+    // as it was at its sub-chunk's start (rounded to the bank dtype, as a store would round
+    // it), where the gather saved M0. A run lists its entries in ascending order, so that row
+    // is M0 plus the run's prefix, summed in the scatter's order: the scatter's own walk of the
+    // run has it in registers when it reaches the sub-chunk's first entry, and stores it there
+    // (later entries of the same sub-chunk copy that piece back: the same thread stored it).
+    // -DSDM_FWD_SUB_SEPARATE (benchmarks/fwd_ab.py) runs the same walks in a pass of their own
+    // before the scatter instead (the same bits; stop 24's form, +11% on the forward): without
+    // kept rows the row is read from the bank, which only the scatter task of the same (entry,
+    // piece) rewrites, and the scatter gives that task to this same thread, later in program
+    // order. Its diagnostics (wrong snapshots, never in the product): -DSDM_FWD_NO_SUB_PASS
+    // compiles the snapshots of later sub-chunks out, -DSDM_FWD_SUB_SCAN_ONLY keeps the pass's
+    // scan of the tasks and skips every run (what the scan costs, what the runs cost).
+#if defined(SDM_FWD_SUB_SEPARATE) && !defined(SDM_FWD_NO_SUB_PASS)
+    if constexpr (Q == 0 && SUB != 0) {
+      if (CB > 0 && save) {
+#pragma unroll 1
+        for (int task = threadIdx.x; task < Ne * NPC; task += blockDim.x) {
+          const int e = divNPC.div(task), wr = g.wrun[e];
+          if ((wr & (W_HEAD | W_BAD)) != W_HEAD || (wr & W_NEXT) == 0) continue;
+#ifdef SDM_FWD_SUB_SCAN_ONLY
+          if (wr != -1) continue;   // (never -1: keeps the loads and the test)
+#endif
+          // the staged instance (FIX) runs whole aligned pieces and kept rows only
+          const int cc = (task - e * NPC) * N, nv = FIX ? N : min(N, tw - cc), hs = divW.div(e) >> CB;
+          const bool vec = FIX || vs;
+          T raw[N];
+          if (FIX || keep) load_raw<N>(raw, keep_s + (long long)e * TWP + cc, N, true);
+          else load_raw<N>(raw, bank_b + (long long)g.wid[e] * D + cc, nv, vb);
+          A m[N];
+#pragma unroll
+          for (int i = 0; i < N; ++i) m[i] = to_acc(raw[i], A());
+          int cs = hs;
+          long long sb = 0;   // the snapshot piece of the run's first entry in sub-chunk cs
+#pragma unroll 1
+          for (int q = e;;) {
+            const int t2 = divW.div(q), s2 = t2 >> CB;
+            const long long so = ((tokb + (long long)t2 * P) * W + (q - t2 * W)) * hd + c0 + cc;
+            if (s2 != cs) {   // the first entry of a later sub-chunk: m is that sub-chunk's start
+              store_piece<N>(snap + so, m, nv, vec);
+              cs = s2;
+              sb = so;
+            } else if (s2 != hs) {   // the same start again
+              load_raw<N>(raw, snap + sb, nv, vec);
+              store_raw<N>(snap + so, raw, nv, vec);
+            }
+            const A a2 = g.aw[q];
+#pragma unroll
+            for (int i = 0; i < N; ++i) m[i] = fma_(a2, U_s[t2 * TWP + cc + i], m[i]);
+            const int nx = g.wrun[q] & W_NEXT;
+            if (nx == 0) break;
+            q = nx - 1;
+          }
+        }
+      }
+    }
+#endif
     // scatter: the entry heading each written slot rewrites the row once, adding its run's
     // a u in ascending entry order. With kept rows a task reads shared memory only; without,
     // a thread takes SB tasks at a time and issues their row loads before any store (distinct
     // rows: no alias).
+#if defined(SDM_FWD_SUB_SEPARATE) || defined(SDM_FWD_NO_SUB_PASS)
+    constexpr bool SUB_HERE = false;
+#else
+    constexpr bool SUB_HERE = Q == 0 && SUB != 0;
+#endif
+    const bool sub = SUB_HERE && CB > 0 && save;
     auto add_run = [&](A (&m)[N], int e, int cc) {
+      const int hs = sub ? divW.div(e) >> CB : 0;
+      int cs = hs;
+      long long sb = 0;   // the snapshot piece of the run's first entry in sub-chunk cs
       for (int q = e;;) {
         const A a2 = g.aw[q];
         const int t2 = divW.div(q);
+        if constexpr (SUB_HERE) {
+          const int s2 = t2 >> CB;
+          if (sub && s2 != hs) {   // m is the row before entry q: at s2's start if q is its first
+            const int nv = FIX ? N : min(N, tw - cc);
+            const bool vec = FIX || vs;
+            const long long so = ((tokb + (long long)t2 * P) * W + (q - t2 * W)) * hd + c0 + cc;
+            if (s2 != cs) {
+              store_piece<N>(snap + so, m, nv, vec);
+              cs = s2;
+              sb = so;
+            } else {
+              T raw[N];
+              load_raw<N>(raw, snap + sb, nv, vec);
+              store_raw<N>(snap + so, raw, nv, vec);
+            }
+          }
+        }
 #pragma unroll
         for (int i = 0; i < N; ++i) m[i] = fma_(a2, U_s[t2 * TWP + cc + i], m[i]);
         const int nx = g.wrun[q] & W_NEXT;

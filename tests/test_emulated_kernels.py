@@ -133,6 +133,14 @@ CASES = {   # name: (make_problem arguments, SDMConfig arguments, gpu knobs)
     "f32-decode-W80": (dict(B=2, T=3, P=2, hd=24, S=20, W=80, dtype=np.float32), dict(C=1), {}),
     "bf16-grad-bank-bf16": (dict(SMALL, dtype=BF16), dict(grad_bank_fp32=False), {}),
     "bf16-W16-hd128": (dict(B=1, T=80, P=2, hd=128, S=300, W=16, dtype=BF16), {}, {}),
+    # sub-chunk snapshots (the forward keeps its chunk, the backward walks halves of it) with
+    # the backward's dM stage: T not a multiple of either chunk
+    "f32-W32-sub": (dict(B=1, T=101, P=2, hd=32, S=300, W=32, dtype=np.float32), {}, {}),
+    "f64-W32-sub": (dict(B=1, T=70, P=1, hd=32, S=200, W=32), {}, {}),
+    "bf16-W16-hd64-sub": (dict(B=2, T=75, P=1, hd=64, S=40, W=16, dtype=BF16), {}, {}),
+    # the same without kept rows: the scatter re-reads the bank rows (its other form)
+    "f32-W32-sub-reread": (dict(B=1, T=101, P=2, hd=32, S=300, W=32, dtype=np.float32), {},
+                           dict(STAGE_READS=False, KEEP_ROWS=False)),
 }
 
 
@@ -145,6 +153,10 @@ def test_kernels_match_reference(rng, emulated, case):
     # the coarser of the bank's and the values' dtypes (readings come in the values' dtype)
     ftol, gtol = max(TOL[pb.bank.dtype], TOL[pb.values.dtype])
     cfg = _cfg(pb, **ckw)
+    if "-sub" in case:   # the case exists for this path: it must take it
+        from sdm_cupy.kernels import gpu
+        lay = sdm._validate.layout(pb.bank, *pb.inputs, cfg)
+        assert gpu.plan(lay, cfg, quant=None, saves=True).sub, f"{case}: no sub-chunks"
     dr = rng.normal(size=pb.values.shape)
     dM = rng.normal(size=pb.bank.shape) if "grad_bank_fp32" not in ckw else None
     r, fin, g, rewound = _run(pb, cfg, dr, dM)
@@ -262,6 +274,38 @@ def test_bad_ids_are_skipped_flagged_and_stay_in_bounds(rng, emulated, case):
     assert_close(g[2], want[2], gtol, "grad values with skipped ids")
     assert_close(g[0], want[0], gtol, "grad bank with skipped ids")
     assert float(abs(g[1][mask_w]).max()) == 0.0 and float(abs(g[4][mask_r]).max()) == 0.0
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if "-sub" in c])
+def test_sub_chunk_snapshots_in_the_scatter_are_the_separate_passes(rng, monkeypatch, case):
+    """The forward stores a sub-chunk's snapshots during its scatter's walk of each run; the
+    separate pass before the scatter (-DSDM_FWD_SUB_SEPARATE, its benchmark form) walks the
+    same runs in the same order. Readings, final bank and every snapshot bit for bit the same,
+    with and without kept rows."""
+    from sdm_cupy.kernels import gpu
+    pkw, ckw, kn = CASES[case]
+    for k, v in kn.items():
+        monkeypatch.setattr(gpu, k, v)
+    # S small against C * W: slots repeat across the backward's sub-chunks and within them
+    pb = make_problem(rng, **dict(pkw, S=min(pkw["S"], 24)))
+    cfg = _cfg(pb, **ckw)
+    lay = sdm._validate.layout(pb.bank, *pb.inputs, cfg)
+    emu.patch(monkeypatch)
+    pl = gpu.plan(lay, cfg, quant=None, saves=True)
+    assert pl.sub, f"{case}: no sub-chunks"
+    assert pl.keep == ("reread" not in case), f"{case}: kept rows {pl.keep}"
+    inputs = _inputs(pb, lay)
+    outs = []
+    for macros in ((), ("-DSDM_FWD_SUB_SEPARATE",), ("-DSDM_FWD_NO_SUB_PASS",)):
+        emu.patch(monkeypatch, seed=len(outs) * 7919 + 1, macros=macros)
+        bank = pb.bank.copy()
+        r, snaps = gpu.sdm_fwd(lay, cfg, bank, *inputs, save_snapshots=True)
+        outs.append([a.view(np.uint8).copy() for a in (r, bank, snaps[0])])
+    gpu._PLANS.clear()
+    for name, a, b in zip(("readings", "final bank", "snapshots"), outs[0], outs[1]):
+        assert np.array_equal(a, b), f"{name}: the scatter's form and the separate pass differ"
+    # not vacuous: without either, the snapshots of slots written in earlier sub-chunks are M0
+    assert not np.array_equal(outs[0][2], outs[2][2]), "no snapshot of a later sub-chunk"
 
 
 @pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])

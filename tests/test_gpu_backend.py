@@ -256,6 +256,43 @@ def test_compile_time_variants_leave_results_bitwise_equal(rng, monkeypatch, mac
 
 @pytest.mark.parametrize("W", [3, 7, 12], ids=lambda w: f"W{w}")
 @pytest.mark.parametrize("dtype", [BF16, np.float32], ids=["bf16", "f32"])
+def test_backward_dm_stage_is_bitwise_the_snapshot_stage(rng, monkeypatch, dtype, W):
+    """The dM stage (gpu.BWD_DM_STAGE): the backward copies the dM rows of its writes and the
+    bank rows of its reads into shared memory beside the snapshots. Against the snapshot stage
+    alone at the same chunk, with repeated slots and a nonzero incoming grad bank: the forward,
+    every gradient (one column tile, so the weight grads' atomics add in one order) and the
+    rewound bank are bitwise equal, and the launches took the stage's shared memory."""
+    from sdm_cupy.kernels import gpu
+    monkeypatch.setattr(gpu, "BWD_TILE_WIDTH", 32)
+    pb = make_problem(rng, B=2, T=90, P=2, hd=32, S=40, W=W, dtype=dtype)
+    dr = rng.normal(size=pb.values.shape).astype(dtype)
+    dM = rng.normal(size=pb.bank.shape).astype(np.float32)
+    cfg = _cfg(pb, 16)   # six chunks, the last one 10 tokens; every stage fits one 32-column tile
+    smem = []
+    launch = gpu._launch
+    monkeypatch.setattr(gpu, "_launch", lambda src, key, name, grid, sm, *a, **k: (
+        smem.append(sm) if src == "bwd" else None, launch(src, key, name, grid, sm, *a, **k)))
+    outs = []
+    for dm in (False, True):
+        monkeypatch.setattr(gpu, "BWD_DM_STAGE", dm)
+        x = pb.to(cp)
+        lay = sdm._validate.layout(x.bank, *x.inputs, cfg)
+        pl = gpu.backward_plan(lay, cfg)
+        assert pl.ntile == 1 and pl.smem_bwd_snap > 0 and (pl.smem_bwd_dm > 0) == bool(dm)
+        smem.clear()
+        (r, fin), grads, rewound = _run(pb, cfg, dr, dM)
+        assert smem and set(smem) == {pl.smem_bwd_dm if dm else pl.smem_bwd_snap}
+        outs.append((r, fin) + grads + (rewound,))
+    for name, a, b_ in zip(("readings", "final bank") + GRADS + ("rewound bank",), *outs):
+        assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b_).view(np.uint8)), name
+    assert np.array_equal(outs[0][-1].view(np.uint8), pb.bank.view(np.uint8))
+    tol = 1e-4 if np.dtype(dtype) == np.float32 else 5e-2
+    for name, got, want in zip(GRADS, outs[1][2:7], reference_bwd(pb, dr.astype(np.float64), dM)):
+        assert_close(got, want, tol, f"grad {name}")
+
+
+@pytest.mark.parametrize("W", [3, 7, 12], ids=lambda w: f"W{w}")
+@pytest.mark.parametrize("dtype", [BF16, np.float32], ids=["bf16", "f32"])
 def test_backward_grouped_row_loads_are_bitwise_entry_by_entry(rng, monkeypatch, dtype, W):
     """The backward's rounds load the rows of SDM_BWD_GB entries (2) before using any, whole
     groups first and the rest entry by entry (W = 3 and 7 leave a rest per thread: two
@@ -334,7 +371,8 @@ def test_chunks_halved_for_a_stage_that_fits_match_reference(rng, monkeypatch, d
         monkeypatch.setattr(gpu, "STAGE_MIN_CHUNK", floor)
         fwd, bwd = gpu.plan(lay, cfg, saves=True), gpu.backward_plan(lay, cfg)
         if halved and gpu._device_limits()[1] >= 227 * 1024:   # an H100/H200's shared memory
-            assert (fwd.C, fwd.rstage, bwd.C) == (C, True, C) and bwd.smem_bwd_snap > 0
+            assert (fwd.C, fwd.rstage) == (C, True) and bwd.smem_bwd_snap > 0
+            assert bwd.C == (fwd.sub or fwd.C)
         (r, fin), grads, rewound = _run(pb, cfg, dr, None)
         assert np.array_equal(rewound.view(np.uint8), pb.bank.view(np.uint8)), "rewound bank"
         assert_close(r, r_ref, tol, "readings")
@@ -364,7 +402,7 @@ def test_backward_walks_the_forwards_chunks_match_reference(rng, dtype, B, P, W,
     del x
     fwd_alone = gpu.plan(lay, cfg)
     saving, bwd = gpu.plan(lay, cfg, saves=True), gpu.backward_plan(lay, cfg)
-    assert saving.C == bwd.C <= gpu.plan(lay, cfg, backward=True).C
+    assert (saving.sub or saving.C) == bwd.C <= gpu.plan(lay, cfg, backward=True).C
     if gpu._device_limits()[1] >= 227 * 1024:   # an H100/H200: the case this test is for
         assert bwd.C < fwd_alone.C
     dr = rng.normal(size=pb.values.shape).astype(dtype)
@@ -378,6 +416,75 @@ def test_backward_walks_the_forwards_chunks_match_reference(rng, dtype, B, P, W,
     for name, got, want in zip(GRADS, grads, reference_bwd(pb, dr.astype(np.float64),
                                                            dM.astype(np.float64))):
         assert_close(got, want, tol, f"grad {name}")
+
+
+SUB_CASES = [(np.float64, 8, "staged"), (np.float64, 16, "reread"), (np.float32, 8, "kept"),
+             (np.float32, 16, "staged"), (np.float32, 32, "reread"), (BF16, 16, "staged"),
+             (BF16, 32, "kept"), (BF16, 16, "hd36")]
+
+
+@pytest.mark.parametrize("dtype, sub, path", SUB_CASES,
+                         ids=[f"{np.dtype(d).name}-sub{s}-{p}" for d, s, p in SUB_CASES])
+def test_sub_chunk_snapshots_match_reference(rng, monkeypatch, dtype, sub, path):
+    """gpu.SUB_SNAPSHOTS: a forward at its longest chunk (64 tokens, 32 for float64) saves
+    exact snapshots for a backward that walks `sub`-token chunks (gpu.BWD_CHUNK bounds it
+    here): a write entry whose slot was written in an earlier sub-chunk gets the row as it was
+    at its sub-chunk's start. The forward's paths: read rows staged (the fast-path instance),
+    kept rows without the stage, rows re-read from the bank, and a tile that is not whole
+    pieces (hd = 36). With many repeated slots (S = 24, W = 4) and a last chunk of 40 tokens
+    (T = 104, sub-chunk starts inside it): every output against the float64 reference, the bank
+    rewound bitwise, and the snapshots equal (float64 to 1e-12, else to the bank dtype's
+    rounding) to those of a forward that runs `sub`-token chunks, and not to those of a
+    forward at the long chunk without them."""
+    from sdm_cupy.kernels import gpu
+    pb = make_problem(rng, B=2, T=104, P=2, hd=36 if path == "hd36" else 32, S=24, W=4,
+                      dtype=dtype)
+    cfg = _cfg(pb, 64)
+    dr = rng.normal(size=pb.values.shape).astype(dtype)
+    dM = rng.normal(size=pb.bank.shape).astype(np.float64 if dtype == np.float64 else np.float32)
+    x = pb.to(cp)
+    lay = sdm._validate.layout(x.bank, *x.inputs, cfg)
+    if path in ("kept", "reread"):
+        monkeypatch.setattr(gpu, "STAGE_READS", False)
+    if path == "reread":
+        monkeypatch.setattr(gpu, "KEEP_ROWS", False)
+    Cf = 32 if np.dtype(dtype) == np.float64 else 64
+    monkeypatch.setattr(gpu, "BWD_CHUNK", sub)
+    saving, bwd = gpu.plan(lay, cfg, saves=True), gpu.backward_plan(lay, cfg)
+    assert (saving.C, saving.sub, bwd.C) == (Cf, sub, sub)
+    if path == "staged":
+        assert saving.rstage
+    elif path in ("kept", "reread"):
+        assert not saving.rstage and saving.keep == (path == "kept")
+    res = sdm.forward(x.bank, *x.inputs, cfg)
+    snaps = to_numpy(res.saved.snapshots[0]).astype(np.float64)
+    r, fin = to_numpy(res.readings), to_numpy(res.bank)
+    g = sdm.backward(res.saved, cp.asarray(dr), cp.asarray(dM))
+    grads = tuple(to_numpy(getattr(g, n)) for n in GRADS)
+    assert np.array_equal(to_numpy(res.bank).view(np.uint8), pb.bank.view(np.uint8)), "rewound"
+    tol = {np.dtype(np.float64): 1e-9, np.dtype(np.float32): 1e-4}.get(np.dtype(dtype), 5e-2)
+    r_ref, fin_ref = reference_fwd(pb)
+    assert_close(r, r_ref, tol, "readings")
+    assert_close(fin, fin_ref, tol, "final bank")
+    for name, got, want in zip(GRADS, grads, reference_bwd(pb, dr.astype(np.float64),
+                                                           dM.astype(np.float64))):
+        assert_close(got, want, tol, f"grad {name}")
+    # the same snapshots as a forward that walks the short chunks itself, and not those of a
+    # forward at 64 without them (else no repeated slot crossed a sub-chunk: a void test)
+    monkeypatch.setattr(gpu, "FWD_CHUNK", sub)
+    y = pb.to(cp)
+    assert gpu.plan(lay, cfg, saves=True).C == sub
+    want = to_numpy(sdm.forward(y.bank, *y.inputs, cfg).saved.snapshots[0]).astype(np.float64)
+    monkeypatch.setattr(gpu, "FWD_CHUNK", None)
+    monkeypatch.setattr(gpu, "BWD_CHUNK", None)
+    monkeypatch.setattr(gpu, "SUB_SNAPSHOTS", False)
+    y = pb.to(cp)
+    assert gpu.plan(lay, cfg, saves=True).sub == 0 and gpu.plan(lay, cfg, saves=True).C == Cf
+    plain = to_numpy(sdm.forward(y.bank, *y.inputs, cfg).saved.snapshots[0]).astype(np.float64)
+    scale = np.abs(want).max()
+    rel = {np.dtype(np.float64): 1e-12, np.dtype(np.float32): 1e-5}.get(np.dtype(dtype), 2 ** -6)
+    assert np.abs(snaps - want).max() <= rel * scale
+    assert (np.abs(plain - want) > 4 * rel * scale).any()
 
 
 @pytest.mark.parametrize("fwd_chunk, bwd_chunk", [(16, None), (None, 16)])

@@ -31,18 +31,49 @@ def _per_chunk(lay, pl):
     return (3 * pl.C * lay.W + 4 * pl.C + 1) * 4 + 2 * pl.C * pl.C * acc + gpu._r16(2 * pl.C * pl.C)
 
 
-def test_headline_backward_is_one_wave_with_bounded_scratch():
+@pytest.mark.parametrize("halve", [False, True])
+def test_headline_backward_is_one_wave_with_bounded_scratch(monkeypatch, halve):
+    """The headline backward: one wave of blocks, bounded pre-pass scratch. By default its
+    64-token chunk with the snapshot stage (the dM stage does not fit beside it); with
+    gpu.BWD_DM_HALVE a 32-token chunk with the dM stage, for which the saving forward keeps
+    its 64-token chunk and saves snapshots at each 32-token sub-chunk."""
+    monkeypatch.setattr(gpu, "BWD_DM_HALVE", halve)
     lay = _layout()
     pl = gpu.plan(lay, _cfg(lay), limits=H200, backward=True)
-    assert (pl.C, pl.TW, pl.ntile) == (64, 32, 4)
+    C = 32 if halve else 64
+    assert (pl.C, pl.TW, pl.ntile) == (C, 32, 4) and pl.smem_bwd_snap > 0
+    assert (pl.smem_bwd_dm > 0) == halve
     assert gpu.backward_plan(lay, _cfg(lay), limits=H200) == pl
+    saving = gpu.plan(lay, _cfg(lay), limits=H200, saves=True)
+    assert (saving.C, saving.sub) == (64, 32 if halve else 0)
     assert lay.B * lay.P * pl.ntile <= H200[0]            # one block per multiprocessor
-    assert pl.smem_bwd <= H200[1]
+    assert max(pl.smem_bwd, pl.smem_bwd_snap, pl.smem_bwd_dm) <= H200[1]
     assert 1 <= pl.seg <= pl.Nt
     assert lay.B * lay.P * pl.seg * _per_chunk(lay, pl) <= gpu.BWD_SCRATCH
     fwd = gpu.plan(lay, _cfg(lay), limits=H200)
     assert (fwd.TW, fwd.ntile) == (32, 4) and fwd.CS == gpu._r16(64 * 64)   # read rows staged
-    assert pl.CS == gpu._r16(2 * 64 * 64)   # the backward's CSR holds four triangles
+    assert pl.CS == gpu._r16(2 * C * C)   # the backward's CSR holds four triangles
+
+
+@pytest.mark.parametrize("kw, bwd_C, dm, fwd_C, sub", [
+    (dict(W=4), 64, True, 64, 0),             # the dM stage fits beside the 64-token chunk
+    (dict(W=8, hd=64), 64, True, 64, 0),
+    (dict(W=8), 64, False, 64, 0),            # it does not: snapshots alone, as before
+    (dict(W=64, hd=64), 16, True, 32, 16),    # the saving forward keeps its own 32 tokens
+    (dict(W=48), 16, False, 16, 0),           # the forward's own chunk is 16 too
+])
+def test_default_plans_stage_dm_where_it_fits_and_keep_the_forwards_chunk(kw, bwd_C, dm, fwd_C,
+                                                                        sub):
+    """The default rule (stop 28's measurements): the backward stages its dM rows only where
+    they fit beside its own chunk (it never halves its chunk for them), and a saving forward
+    whose own chunk is longer than the backward's keeps it, saving snapshots at each of the
+    backward's sub-chunks."""
+    lay = _layout(**kw)
+    bwd = gpu.plan(lay, _cfg(lay), limits=H200, backward=True)
+    assert (bwd.C, bwd.smem_bwd_dm > 0) == (bwd_C, dm)
+    saving = gpu.plan(lay, _cfg(lay), limits=H200, saves=True)
+    assert (saving.C, saving.sub) == (fwd_C, sub)
+    assert (saving.sub or saving.C) == gpu.backward_plan(lay, _cfg(lay), limits=H200).C
 
 
 def test_backward_stages_snapshots_only_where_they_fit(monkeypatch):
@@ -51,6 +82,7 @@ def test_backward_stages_snapshots_only_where_they_fit(monkeypatch):
     chunk: the backward halves its chunk to 32, where they do, unless its snapshots are
     quantized (nothing to stage) or gpu.STAGE_MIN_CHUNK forbids the shorter chunk. With two
     256-thread blocks per multiprocessor the stage must not cost one of them."""
+    monkeypatch.setattr(gpu, "BWD_DM_STAGE", False)
     lay = _layout()
     pl = gpu.plan(lay, _cfg(lay), limits=H200, backward=True)
     assert pl.C == 64
@@ -71,6 +103,7 @@ def test_chunk_halves_for_a_stage_that_fits(monkeypatch):
     backward (exact snapshots) halve their chunk until it does, down to gpu.STAGE_MIN_CHUNK:
     W = 32 stages at C = 32, W = 48 at C = 16; below the minimum, or under a chunk bound
     (FWD_CHUNK, BWD_CHUNK), nothing halves and the register form runs."""
+    monkeypatch.setattr(gpu, "BWD_DM_STAGE", False)
     for W, C in ((24, 32), (32, 32), (48, 16), (64, 16)):
         lay = _layout(W=W)
         fwd = gpu.plan(lay, _cfg(lay), limits=H200)
@@ -125,8 +158,8 @@ def test_backward_walks_the_saving_forwards_chunks(monkeypatch, dtype, mode):
                 continue   # a quantized row wider than shared memory: refused before any run
             bwd = gpu.backward_plan(lay, cfg, limits=H200)
             free = gpu.plan(lay, cfg, limits=H200, backward=True, exact_snapshots=mode is None)
-            assert bwd.C == fwd.C <= free.C, (knobs, kw)
-            assert bwd.Nt == fwd.Nt, (knobs, kw)
+            assert bwd.C == (fwd.sub or fwd.C) <= free.C, (knobs, kw)
+            assert fwd.C % bwd.C == 0 and (fwd.sub == 0 or mode is None), (knobs, kw)
             assert max(bwd.smem_bwd, bwd.smem_bwd_snap) <= H200[1], (knobs, kw)
         monkeypatch.undo()
 
@@ -136,6 +169,7 @@ def test_backward_walks_the_saving_forwards_chunks(monkeypatch, dtype, mode):
     ({}, {"FWD_CHUNK": 16}),                    # forward at 64; a recomputation would say 16
     ({"FWD_CHUNK": 8}, {"BWD_THREADS": 256}),     # two blocks per SM, their own chunk 32
     ({"FWD_CHUNK": 16}, {"BWD_TILE_WIDTH": 8}),
+    ({"BWD_DM_HALVE": True}, {"BWD_DM_HALVE": False}),   # saved for 32-token sub-chunks
 ])
 def test_backward_walks_the_chunk_its_snapshots_carry(monkeypatch, fwd_knobs, bwd_knobs):
     """Knobs may change between a forward and its backward: the backward's plan takes the chunk
@@ -145,7 +179,8 @@ def test_backward_walks_the_chunk_its_snapshots_carry(monkeypatch, fwd_knobs, bw
     cfg = _cfg(lay)
     for k, v in fwd_knobs.items():
         monkeypatch.setattr(gpu, k, v)
-    C = gpu.plan(lay, cfg, limits=H200, saves=True).C
+    fwd = gpu.plan(lay, cfg, limits=H200, saves=True)
+    C = fwd.sub or fwd.C   # what sdm_fwd's SavedSnapshots carry
     monkeypatch.undo()
     for k, v in bwd_knobs.items():
         monkeypatch.setattr(gpu, k, v)
@@ -206,7 +241,8 @@ def test_refusal_names_the_knobs_changed_since_the_forward(monkeypatch):
 
 
 KNOB_CHANGES = [{}, {"TILE_WIDTH": 8}, {"BWD_TILE_WIDTH": 8}, {"BWD_THREADS": 256},
-                {"FWD_CHUNK": 16}, {"STAGE_MIN_CHUNK": 64}]
+                {"FWD_CHUNK": 16}, {"STAGE_MIN_CHUNK": 64}, {"SUB_SNAPSHOTS": False},
+                {"BWD_DM_STAGE": False}, {"BWD_DM_HALVE": True}]
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -225,7 +261,8 @@ def test_knob_changes_between_forward_and_backward_never_strand_a_backward(monke
             for fwd_knobs in KNOB_CHANGES:
                 for k, v in fwd_knobs.items():
                     monkeypatch.setattr(gpu, k, v)
-                C = gpu.plan(lay, cfg, limits=H200, saves=True).C
+                fwd = gpu.plan(lay, cfg, limits=H200, saves=True)
+                C = fwd.sub or fwd.C   # what sdm_fwd's SavedSnapshots carry
                 monkeypatch.undo()
                 for bwd_knobs in KNOB_CHANGES:
                     for k, v in bwd_knobs.items():
@@ -312,10 +349,10 @@ def test_forward_chunk_bound_applies_to_the_forward_only(monkeypatch, bound):
     bwd = gpu.plan(lay, _cfg(lay), limits=H200, backward=True)
     assert fwd.C == (64 if bound is None else bound)
     assert fwd.Nt == -(-lay.T // fwd.C)
-    assert bwd.C == 64   # its own choice
-    # a forward that saves snapshots and the backward that consumes them walk the same chunks
+    assert bwd.C == 64   # its own choice (its snapshot stage fits; BWD_DM_HALVE is off)
     saving = gpu.plan(lay, _cfg(lay), limits=H200, saves=True)
-    assert saving.C == fwd.C == gpu.backward_plan(lay, _cfg(lay), limits=H200).C
+    assert saving.C == fwd.C
+    assert (saving.sub or saving.C) == gpu.backward_plan(lay, _cfg(lay), limits=H200).C
     assert gpu.settings()[-1] == bound   # FWD_CHUNK stays the last knob
 
 
@@ -399,8 +436,9 @@ def test_forward_read_stage_only_where_it_widens_the_tile_or_runs_one_wave():
 KNOBS = {"STAGE_READS": False, "STAGE_THREADS": 256, "THREADS": 512, "BWD_THREADS": 256, "TILE_WIDTH": 32, "BWD_TILE_WIDTH": 64,
          "BWD_SCRATCH": 10 ** 7, "FWD_CHUNK": 16, "BWD_CHUNK": 16, "STAGE_MIN_CHUNK": 64,
          "KEEP_ROWS": False, "KEEP_SMEM": 64 * 1024, "MAX_ENTRIES": 512, "E_STAGE": 256,
-         "BE_STAGE": 512}
-KNOB_LAYOUT = {"STAGE_MIN_CHUNK": dict(W=32)}   # a layout whose plan the knob changes
+         "BE_STAGE": 512, "SUB_SNAPSHOTS": False, "BWD_DM_STAGE": False, "BWD_DM_HALVE": True}
+# a layout whose plan the knob changes
+KNOB_LAYOUT = {"STAGE_MIN_CHUNK": dict(W=32), "BWD_DM_STAGE": dict(W=4)}
 
 
 @pytest.mark.parametrize("knob", list(KNOBS))
@@ -410,6 +448,8 @@ def test_remembered_plans_follow_every_knob(monkeypatch, knob):
     the old value."""
     if knob == "THREADS":   # the backward's block size, when BWD_THREADS leaves it to THREADS
         monkeypatch.setattr(gpu, "BWD_THREADS", None)
+    if knob == "SUB_SNAPSHOTS":   # it decides the backward's plan only where that halves
+        monkeypatch.setattr(gpu, "BWD_DM_HALVE", True)
     lay = _layout(T=1000, **KNOB_LAYOUT.get(knob, {}))
     before = [gpu.plan(lay, _cfg(lay), limits=H200, backward=b) for b in (False, True)]
     assert [gpu.plan(lay, _cfg(lay), limits=H200, backward=b) for b in (False, True)] == before

@@ -49,12 +49,19 @@ def _per_source():
 def test_every_instance_is_listed():
     specs = _per_source()
     assert set(specs) == set(_build.SOURCES)
-    # 9 (bank, values) kinds x 2 index dtypes, each with its snapshot modes, and the forward's
-    # read-row stage (RS = 1) for the exact and bf16 modes
-    staged = [n for n in specs["fwd"][2] if n.endswith(",1>")]
-    assert len(specs["fwd"][2]) - len(staged) == 60 and len(staged) == 24
-    assert all(n.split(",")[4] in ("0", "1") for n in staged)   # Q <= 1
-    assert len(specs["bwd"][2]) == 84
+    # 9 (bank, values) kinds x 2 index dtypes, each with its snapshot modes, the forward's
+    # read-row stage (RS = 1) for the exact and bf16 modes, and its sub-chunk snapshots
+    # (SUB = 1) for the exact mode, with and without the stage
+    args = [n.split("<", 1)[1].rstrip(">").split(",") for n in specs["fwd"][2]]
+    staged = [a for a in args if a[6:7] == ["1"] and a[7:] in ([], ["0"])]
+    sub = [a for a in args if a[7:] == ["1"]]
+    assert len(args) - len(staged) - len(sub) == 60 and len(staged) == 24 and len(sub) == 36
+    assert all(a[4] in ("0", "1") for a in staged)   # Q <= 1
+    assert all(a[4] == "0" for a in sub) and sorted({a[6] for a in sub}) == ["0", "1"]
+    # the backward's modes per grad dtype, and its dM stage (DS = 1) for exact snapshots
+    dms = [n for n in specs["bwd"][2] if n.endswith(",1>")]
+    assert len(specs["bwd"][2]) - len(dms) == 84 and len(dms) == 26
+    assert all(n.split(",")[5] == "0" for n in dms)   # Q == 0
     assert len(specs["prepass"][2]) == 8   # the forward's and the backward's forms
 
 
