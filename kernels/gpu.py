@@ -194,8 +194,9 @@ def _r16(x: int) -> int:
     return (x + 15) & ~15
 
 
-def _smem(C, W, TW, N, acc_size, quant, idx_size=4, val_size=4, bank_size=4):
-    """Shared memory per block of the pre-pass, the forward (without, then with the kept
+def _smem(C, W, TW, N, acc_size, quant, idx_size=4, val_size=4, bank_size=4, form=1):
+    """Shared memory per block of the pre-pass (``form`` 1: the forward's, 2: the
+    backward's; kernels/sdm_prepass.cu's layout), the forward (without, then with the kept
     rows) and the backward; those two mirror FwdStage::carve (kernels/sdm_fwd.cu) and
     BwdStage::carve (kernels/sdm_bwd.cu) and the regions after them."""
     twp = -(-TW // N) * N
@@ -205,8 +206,10 @@ def _smem(C, W, TW, N, acc_size, quant, idx_size=4, val_size=4, bank_size=4):
     while m2 < 2 * C * W:
         m2 <<= 1
     dead = m2 * 8 + 2 * C * W * (acc_size + 4)   # the pre-pass's Ai reuses it when it fits
-    ai = 0 if C * ld * acc_size + 16 * C <= dead else C * ld * acc_size
-    pre = dead + 4 * C * 8 + 2 * C * ld * acc_size + ai
+    tri = C * (C + 1) // 2 * acc_size              # a packed lower triangle with its diagonal
+    ai = 0 if tri + 16 * C <= dead else tri
+    gh = C * C if form == 1 else 2 * C * ld        # Gs and Hs (the backward's hash table)
+    pre = dead + 4 * C * 8 + gh * acc_size + ai
     cw = C * W
     stage = (2 * _r16(cw * acc_size) + _r16(C * acc_size) + _r16(E_STAGE * acc_size)
              + 2 * _r16(cw * idx_size) + _r16(C * tvp * val_size) + _r16((2 * C + 1) * 4)
@@ -370,7 +373,8 @@ def _plan(lay: Layout, quant, limits, backward, cmax=None, exact_snapshots=True,
     forced = _forced_width(backward) is not None
     while True:
         pre, fwd, fwd_keep, bwd = _smem(C, lay.W, TW, N, acc.itemsize,
-                                        quant in ("fp8_e4m3", "int8"), **sizes)
+                                        quant in ("fp8_e4m3", "int8"), **sizes,
+                                        form=2 if backward else 1)
         need = max(pre, fwd) if TW == lay.hd and quant in ("fp8_e4m3", "int8") else max(pre, fwd, bwd)
         if need <= smem_max:
             break

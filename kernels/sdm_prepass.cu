@@ -188,11 +188,16 @@ prepass_body(const I* __restrict__ wi, const A* __restrict__ aw, const I* __rest
 
   extern __shared__ __align__(16) unsigned char smem[];
   K* keys = reinterpret_cast<K*>(smem);   // a region of M2max * 8 bytes whatever K is
-  // layout: keys[M2max] | wq[2CW] | pos[2CW] | rm[4C] | Gs, Hs [C * ld] | Ai [C * ld]. The
-  //         forward's form keeps its read slots in the upper half of keys (M2 <= M2max / 2
-  //         there). keys, wq and pos are dead after step 4: Ai (first written in step 5) and
-  //         step 6's row offsets rend[4C] go there when they fit (kernels/gpu.py _smem
-  //         mirrors the test), else Ai after Hs and rend in keys (M2max >= 2C).
+  // layout: keys[M2max] | wq[2CW] | pos[2CW] | rm[4C] | Gs [C(C-1)/2], Hs [C(C+1)/2] |
+  //         Ai [C(C+1)/2]. The three matrices are lower triangles packed by rows (G strictly
+  //         lower: row t at t(t-1)/2; H and Ai with the diagonal: row t at t(t+1)/2), half the
+  //         dense squares, so that four forward-form blocks share an SM. The backward's form
+  //         keeps the dense squares' room for Gs and Hs (2C(C+1) values): its hash table
+  //         (steps 1b-3b) lives there first. The forward's form keeps its read slots in the
+  //         upper half of keys (M2 <= M2max / 2 there). keys, wq and pos are dead after step
+  //         4: Ai (first written in step 5) and step 6's row offsets rend[4C] go there when
+  //         they fit (kernels/gpu.py _smem mirrors the test), else Ai after Hs and rend in keys
+  //         (M2max >= 2C).
   // rm[r]: bit k set iff entry k of CSR row r is non-zero (r < NSEC * C; rows past L stay 0),
   //         and rm[3C + t] that of row t of G in both forms. The dense matrices are never
   //         zeroed: every read of them goes through a mask or a row that was written.
@@ -203,10 +208,12 @@ prepass_body(const I* __restrict__ wi, const A* __restrict__ aw, const I* __rest
   unsigned long long* rm = reinterpret_cast<unsigned long long*>(pos + 2 * C * W);
   unsigned* rm32 = reinterpret_cast<unsigned*>(rm);   // word 2r + h: columns 32h .. 32h + 31
   A* Gs = reinterpret_cast<A*>(rm + 4 * C);
-  A* Hs = Gs + C * ld;
-  const bool ai_dead = C * ld * (int)sizeof(A) + 16 * C <= M2max * 8 + 2 * C * W * ((int)sizeof(A) + 4);
-  A* Ai = ai_dead ? reinterpret_cast<A*>(smem) : Hs + C * ld;
-  int* rend = ai_dead ? reinterpret_cast<int*>(Ai + C * ld) : reinterpret_cast<int*>(smem);
+  A* Hs = Gs + C * (C - 1) / 2;
+  const int tri = C * (C + 1) / 2;   // values of a packed triangle with its diagonal
+  const int gh = SPARSE == 1 ? C * C : 2 * C * ld;   // the room of Gs and Hs, in values
+  const bool ai_dead = tri * (int)sizeof(A) + 16 * C <= M2max * 8 + 2 * C * W * ((int)sizeof(A) + 4);
+  A* Ai = ai_dead ? reinterpret_cast<A*>(smem) : Gs + gh;
+  int* rend = ai_dead ? reinterpret_cast<int*>(Ai + tri) : reinterpret_cast<int*>(smem);
   K* rslot = keys + M2max / 2;   // the forward's form: M2 <= M2max / 2 keys
 
   const long long tok0 = ((long long)b * T + t0) * P + p;   // (b, t0, p) row of [B, T, P, W]
@@ -217,7 +224,7 @@ prepass_body(const I* __restrict__ wi, const A* __restrict__ aw, const I* __rest
 #endif
   // the backward's form hashes when its table (2 * M2max buckets: keys, list heads), the run
   // sizes and the entries' places fit the keys region and that of Gs and Hs (dead until step 4)
-  const bool hash2 = HASH2 && 8 * M2max + 16 * N + 128 <= 2 * C * ld * (int)sizeof(A);
+  const bool hash2 = HASH2 && 8 * M2max + 16 * N + 128 <= gh * (int)sizeof(A);
   if (hash2) {
     // The backward's form without a sort (steps 1b-3b): every entry, write or read, joins its
     // slot's list in a hash table; from the list each entry learns its rank in the slot's run
@@ -437,7 +444,7 @@ prepass_body(const I* __restrict__ wi, const A* __restrict__ aw, const I* __rest
   for (int task = threadIdx.x; task < 2 * L; task += blockDim.x) {
     const bool isH = task >= L;
     const int t = isH ? task - L : task;
-    A* row = (isH ? Hs : Gs) + t * ld;
+    A* row = isH ? Hs + t * (t + 1) / 2 : Gs + t * (t - 1) / 2;
     unsigned long long seen = 0;   // the row's entries written so far
     for (int w = 0; w < W; ++w) {
       const int q = (isH ? N : 0) + t * W + w;
@@ -511,19 +518,20 @@ prepass_body(const I* __restrict__ wi, const A* __restrict__ aw, const I* __rest
     const unsigned long long gz =   // rows of G with entries
         (unsigned long long)__ballot_sync(0xffffffffu, lane < L && rm[3 * C + lane] != 0ull) |
         (unsigned long long)__ballot_sync(0xffffffffu, lane + 32 < L && rm[3 * C + 32 + lane] != 0ull) << 32;
-    if (j < L) Ai[j * ld + j] = A(1);
+    if (j < L) Ai[j * (j + 1) / 2 + j] = A(1);
     unsigned long long col = 0;   // rows t > j with Ai[t][j] != 0
     for (unsigned long long rows = gz; rows; rows &= rows - 1) {
       const int t = __ffsll((long long)rows) - 1;
       const bool on = j < t;
+      const A* grow = Gs + t * (t - 1) / 2;
       A s = A(0);
       for (unsigned long long m = rm[3 * C + t]; m; m &= m - 1) {
         const int tau = __ffsll((long long)m) - 1;
         if (on && tau >= j)
-          s += Gs[t * ld + tau] * (tau == j || (gz >> tau & 1ull) ? Ai[tau * ld + j] : A(0));
+          s += grow[tau] * (tau == j || (gz >> tau & 1ull) ? Ai[tau * (tau + 1) / 2 + j] : A(0));
       }
       const A v = -__shfl_sync(0xffffffffu, t < 32 ? bet_lo : bet_hi, t & 31) * s;
-      if (on) Ai[t * ld + j] = v;
+      if (on) Ai[t * (t + 1) / 2 + j] = v;
       const bool nz = on && v != A(0);
       const unsigned word = __ballot_sync(0xffffffffu, nz);
       if (lane == 0) rm32[2 * t + (j >> 5)] = word;
@@ -559,22 +567,43 @@ prepass_body(const I* __restrict__ wi, const A* __restrict__ aw, const I* __rest
     if (!m) continue;
     const int sec = (r >= C) + (NSEC > 2 && r >= 2 * C) + (NSEC > 2 && r >= 3 * C), row = r - sec * C;
     // sections: 0 Ainv rows; SPARSE 1: 1 H rows; SPARSE 2: 1 H columns, 2 Ainv columns, 3 G rows
+    // (row, k) of the section's matrix: M[row][k], or M[k][row] for the column sections;
+    // packed row x of G starts at x(x-1)/2, of H and Ai at x(x+1)/2
     const bool tr = SPARSE == 2 && (sec == 1 || sec == 2);
-    const A* M = (sec == 0 || sec == 2 ? Ai : sec == 1 ? Hs : Gs) + (tr ? row : row * ld);
-    const int step = tr ? ld : 1;
+    const A* M = sec == 0 || sec == 2 ? Ai : sec == 1 ? Hs : Gs;
+    const int strict = sec == 3 ? 1 : 0;   // only G's rows leave out the diagonal
     const int at = (r ? rend[r - 1] : 0) + (h ? __popc((unsigned)m64) : 0);
     unsigned char* cp = sp_col + (long long)blk * CS + at;
     A* vp = sp_val + mo + at;
-    for (; m; m &= m - 1) {
-      const int k = 32 * h + __ffs(m) - 1;
-      *cp++ = (unsigned char)k;
-      *vp++ = M[k * step];
+    if (tr) {
+      for (; m; m &= m - 1) {
+        const int k = 32 * h + __ffs(m) - 1;
+        *cp++ = (unsigned char)k;
+        *vp++ = M[k * (k + 1) / 2 + row];
+      }
+    } else {
+      const A* Mr = M + row * (row + 1 - 2 * strict) / 2;
+      for (; m; m &= m - 1) {
+        const int k = 32 * h + __ffs(m) - 1;
+        *cp++ = (unsigned char)k;
+        *vp++ = Mr[k];
+      }
     }
   }
 }
 
+// Blocks of 512 threads per SM that the registers must allow (<= 32 per thread for 4, <= 40
+// for 3): as many as the shared memory allows at the headline (the forward's form 51 KB, the
+// backward's 67 KB). Left free, the compiler takes 56 registers: two blocks per SM.
+// -DSDM_PREPASS_MINB=n (benchmarks) sets both forms.
+#ifdef SDM_PREPASS_MINB
+#define SDM_PREPASS_BLOCKS(SPARSE) SDM_PREPASS_MINB
+#else
+#define SDM_PREPASS_BLOCKS(SPARSE) ((SPARSE) == 1 ? 4 : 3)
+#endif
+
 template <typename A, typename I, int SPARSE>
-__global__ void __launch_bounds__(512)
+__global__ void __launch_bounds__(512, SDM_PREPASS_BLOCKS(SPARSE))
 sdm_prepass_kernel(const I* __restrict__ wi, const A* __restrict__ aw, const I* __restrict__ ri,
                    const A* __restrict__ cw, const A* __restrict__ beta,
                    int T, int P, int W, long long S, int C, int n0, int nseg,
