@@ -47,6 +47,7 @@ constexpr long long KEY32_MAX_S = (1ll << (32 - QBITS)) - 1;
 constexpr int RUN_HEAD = 1 << 30, RUN_BAD = 1 << 29, QMASK = (1 << QBITS) - 1;
 
 constexpr int WRUN_HEAD = 1 << 16, WRUN_BAD = 1 << 17;
+constexpr int ENTRY_GROUP = 4;   // entries whose ids a thread loads before it pushes any
 
 
 // One compare-exchange step (k, j) of a bitonic sort for the element at index i (value x)
@@ -246,10 +247,19 @@ prepass_body(const I* __restrict__ wi, const A* __restrict__ aw, const I* __rest
     // 2b. weights; each entry claims its slot's bucket and pushes itself on the bucket's list:
     //     pos[i] = bucket << 16 | the entry pushed before it (0xFFFF: none). Bad ids share the
     //     bucket of KEY_BAD.
-    for (int i = threadIdx.x; i < N2; i += blockDim.x) {
-      const unsigned slot = entry_slot(i, N, W, P, tok0, wi, aw, ri, cw, S, (unsigned)KEY_BAD,
-                                       wq_s, err);
-      pos[i] = table_push(tab_key, tab_top, NB, lg, slot, i);
+    for (int i0 = threadIdx.x; i0 < N2; i0 += ENTRY_GROUP * blockDim.x) {   // as in step 2h
+      unsigned slot[ENTRY_GROUP];
+#pragma unroll
+      for (int u = 0; u < ENTRY_GROUP; ++u) {
+        const int i = i0 + u * blockDim.x;
+        if (i < N2)
+          slot[u] = entry_slot(i, N, W, P, tok0, wi, aw, ri, cw, S, (unsigned)KEY_BAD, wq_s, err);
+      }
+#pragma unroll
+      for (int u = 0; u < ENTRY_GROUP; ++u) {
+        const int i = i0 + u * blockDim.x;
+        if (i < N2) pos[i] = table_push(tab_key, tab_top, NB, lg, slot[u], i);
+      }
     }
     __syncthreads();
     // 3b. from the list's members (in any order): bits 16-31 of pos[i] become 1 + the
@@ -328,13 +338,21 @@ prepass_body(const I* __restrict__ wi, const A* __restrict__ aw, const I* __rest
     // 2h. weights; each write entry claims its slot's bucket and pushes itself on the bucket's
     //     list: pos[q] = bucket << 16 | the entry pushed before it (0xFFFF: none); a read
     //     entry keeps its slot in pos[N + e]. Bad ids share the bucket of KEY_BAD.
-    for (int i = threadIdx.x; i < N2; i += blockDim.x) {
-      const unsigned slot = entry_slot(i, N, W, P, tok0, wi, aw, ri, cw, S, (unsigned)KEY_BAD,
-                                       wq_s, err);
-      if (i < N) {
-        pos[i] = table_push(tab_key, tab_top, M2max, lg, slot, i);
-      } else {
-        pos[i] = (int)slot;
+    //     A thread loads the ids of ENTRY_GROUP entries before it pushes any (the pushes'
+    //     atomics would otherwise wait for one global round trip per entry).
+    for (int i0 = threadIdx.x; i0 < N2; i0 += ENTRY_GROUP * blockDim.x) {
+      unsigned slot[ENTRY_GROUP];
+#pragma unroll
+      for (int u = 0; u < ENTRY_GROUP; ++u) {
+        const int i = i0 + u * blockDim.x;
+        if (i < N2)
+          slot[u] = entry_slot(i, N, W, P, tok0, wi, aw, ri, cw, S, (unsigned)KEY_BAD, wq_s, err);
+      }
+#pragma unroll
+      for (int u = 0; u < ENTRY_GROUP; ++u) {
+        const int i = i0 + u * blockDim.x;
+        if (i < N2)
+          pos[i] = i < N ? table_push(tab_key, tab_top, M2max, lg, slot[u], i) : (int)slot[u];
       }
     }
     __syncthreads();

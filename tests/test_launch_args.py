@@ -55,7 +55,7 @@ def _split(text: str) -> list:
 def _signatures() -> dict:
     """kernel name -> (template parameter names with defaults, [(C type, is_pointer, name)])."""
     out = {}
-    pat = re.compile(r"template\s*<([^>]*)>\s*__global__\s+void\s+(?:__launch_bounds__\(\d+\)\s*)?"
+    pat = re.compile(r"template\s*<([^>]*)>\s*__global__\s+void\s+(?:__launch_bounds__\((?:[^()]|\([^()]*\))*\)\s*)?"
                      r"(?:[A-Z_]+\s+)?(\w+)\s*\(([^{]*?)\)\s*\{", re.S)
     for fname in K.SOURCES.values():
         text = open(os.path.join(ROOT, "kernels", fname)).read()
