@@ -134,13 +134,16 @@ CASES = {   # name: (make_problem arguments, SDMConfig arguments, gpu knobs)
     "bf16-grad-bank-bf16": (dict(SMALL, dtype=BF16), dict(grad_bank_fp32=False), {}),
     "bf16-W16-hd128": (dict(B=1, T=80, P=2, hd=128, S=300, W=16, dtype=BF16), {}, {}),
     # sub-chunk snapshots (the forward keeps its chunk, the backward walks halves of it) with
-    # the backward's dM stage: T not a multiple of either chunk
-    "f32-W32-sub": (dict(B=1, T=101, P=2, hd=32, S=300, W=32, dtype=np.float32), {}, {}),
-    "f64-W32-sub": (dict(B=1, T=70, P=1, hd=32, S=200, W=32), {}, {}),
-    "bf16-W16-hd64-sub": (dict(B=2, T=75, P=1, hd=64, S=40, W=16, dtype=BF16), {}, {}),
+    # the backward's dM stage (gpu.BWD_DM_HALVE, off by default): T not a multiple of either
+    # chunk
+    "f32-W32-sub": (dict(B=1, T=101, P=2, hd=32, S=300, W=32, dtype=np.float32), {},
+                    dict(BWD_DM_HALVE=True)),
+    "f64-W32-sub": (dict(B=1, T=70, P=1, hd=32, S=200, W=32), {}, dict(BWD_DM_HALVE=True)),
+    "bf16-W16-hd64-sub": (dict(B=2, T=75, P=1, hd=64, S=40, W=16, dtype=BF16), {},
+                          dict(BWD_DM_HALVE=True)),
     # the same without kept rows: the scatter re-reads the bank rows (its other form)
     "f32-W32-sub-reread": (dict(B=1, T=101, P=2, hd=32, S=300, W=32, dtype=np.float32), {},
-                           dict(STAGE_READS=False, KEEP_ROWS=False)),
+                           dict(STAGE_READS=False, KEEP_ROWS=False, BWD_DM_HALVE=True)),
 }
 
 
