@@ -484,19 +484,19 @@ def _plan(lay: Layout, quant, limits, backward, cmax=None, exact_snapshots=True,
     seg = max(1, min(Nt, BWD_SCRATCH // (lay.B * lay.P * per_chunk)))
     # kernels/sdm_bwd.cu's snapshot stage: C*W rows of the tile after the other regions; only
     # where it costs no block per multiprocessor
-    bwd_snap = _r16(bwd) + C * lay.W * (-(-TW // N) * N) * np.dtype(lay.bank_dtype).itemsize
-    if (bwd_snap > (smem_max if bwd_per_sm == 1 else min(smem_max, KEEP_SMEM))
-            or not exact_snapshots):   # quantized snapshots: nothing to stage
+    cap = smem_max if bwd_per_sm == 1 else min(smem_max, KEEP_SMEM)
+    rows = C * lay.W * (-(-TW // N) * N)
+    snap_rows = rows * np.dtype(lay.bank_dtype).itemsize
+    bwd_snap = _r16(bwd) + snap_rows
+    if bwd_snap > cap or not exact_snapshots:   # quantized snapshots: nothing to stage
         bwd_snap = 0
     # ... and with it the dM rows of the chunk's writes and the bank rows of its reads (round 1
     # copies them all with cp.async, then reads shared memory only)
     bwd_dm = 0
     if bwd_snap and BWD_DM_STAGE:
-        rows = C * lay.W * (-(-TW // N) * N)
-        bwd_dm = (_r16(bwd) + _r16(rows * np.dtype(lay.bank_dtype).itemsize)
-                  + _r16(rows * np.dtype(lay.grad_bank_dtype).itemsize)
-                  + rows * np.dtype(lay.bank_dtype).itemsize)
-        if bwd_dm > (smem_max if bwd_per_sm == 1 else min(smem_max, KEEP_SMEM)):
+        bwd_dm = (_r16(bwd) + _r16(snap_rows)
+                  + _r16(rows * np.dtype(lay.grad_bank_dtype).itemsize) + snap_rows)
+        if bwd_dm > cap:
             bwd_dm = 0
     if (backward and not bwd_snap and exact_snapshots and BWD_CHUNK is None
             and chunk is None and C // 2 >= STAGE_MIN_CHUNK):
@@ -510,8 +510,8 @@ def _plan(lay: Layout, quant, limits, backward, cmax=None, exact_snapshots=True,
             and halve_for(lay, limits)
             and exact_snapshots and BWD_CHUNK is None and chunk is None
             and C // 2 >= STAGE_MIN_CHUNK and C & (C - 1) == 0):
-        # (a power of two, so that the saving forward keeps its chunk: Plan.sub)
-        # the same for the dM stage (the saving forward keeps its chunk: sub-chunk snapshots)
+        # the same for the dM stage (gpu.BWD_DM_HALVE), from a power-of-two chunk only, so that
+        # the saving forward keeps its chunk and saves sub-chunk snapshots (Plan.sub)
         alt = _plan(lay, quant, limits, backward, cmax=C // 2, exact_snapshots=exact_snapshots)
         if alt.smem_bwd_dm:
             return alt
