@@ -289,7 +289,7 @@ def tune_layout(lay: Layout, config, run_once, *, reps: int = 5, limits=None) ->
         raise ValueError(f"reps must be >= 1, got {reps}")
     limits = limits or _device_limits()
     key = (lay, limits)
-    before = _TUNED.pop(key, None)
+    kept = _TUNED.pop(key, None)   # what the layout has when this returns (None: nothing)
 
     def plans(h):
         _TUNED[key] = h
@@ -298,7 +298,7 @@ def tune_layout(lay: Layout, config, run_once, *, reps: int = 5, limits=None) ->
 
     try:
         if plans(False) == plans(True):
-            return Tuning(halve=bool(BWD_DM_HALVE if before is None else before),
+            return Tuning(halve=bool(BWD_DM_HALVE if kept is None else kept),
                           plans_differ=False, ms={})
         times = {False: [], True: []}
         for rnd in range(reps + 1):
@@ -309,13 +309,13 @@ def tune_layout(lay: Layout, config, run_once, *, reps: int = 5, limits=None) ->
                     times[h].append(t)
         ms = {h: 1e3 * float(np.median(v)) for h, v in times.items()}
         default = bool(BWD_DM_HALVE)
-        before = (not default) if ms[not default] < ms[default] else default
-        return Tuning(halve=before, plans_differ=True, ms=ms)
+        kept = (not default) if ms[not default] < ms[default] else default
+        return Tuning(halve=kept, plans_differ=True, ms=ms)
     finally:
-        if before is None:
+        if kept is None:
             _TUNED.pop(key, None)
         else:
-            _TUNED[key] = before
+            _TUNED[key] = kept
 
 
 def plan(lay: Layout, config, *, quant=None, limits=None, backward=False,

@@ -127,6 +127,23 @@ def _contiguous(xp, x, dtype=None):
     return xp.ascontiguousarray(x)
 
 
+def _checked(bank, write_idx, write_w, values, beta, read_idx, read_w, config, needs_backward,
+             check_indices):
+    """``forward``'s checks of its arguments (before anything runs): the array module, the
+    layout and the backend, which also refuses the snapshot mode where a backward needs it."""
+    named = dict(bank=bank, write_idx=write_idx, write_w=write_w, values=values, beta=beta,
+                 read_idx=read_idx, read_w=read_w)
+    xp = V.common_module(named, allow_none=False)
+    lay = V.layout(bank, write_idx, write_w, values, beta, read_idx, read_w, config)
+    backend = backend_for(xp)
+    if needs_backward:
+        V.check_snapshot_quant(lay, config.snapshot_quant)
+        backend.check_config(lay, config)
+    if check_indices:
+        V.check_index_ranges(lay.S, ("write_idx", write_idx), ("read_idx", read_idx))
+    return xp, lay, backend
+
+
 def forward(bank, write_idx, write_w, values, beta, read_idx, read_w, config: SDMConfig, *,
             needs_backward: bool = True, inplace: bool = False, check_indices: bool = True):
     """Runs the SDM write/read of SPEC §2 over T tokens.
@@ -161,16 +178,8 @@ def forward(bank, write_idx, write_w, values, beta, read_idx, read_w, config: SD
         >>> res = forward(bank, wi, ww, v, beta, ri, rw, cfg)
         >>> g = backward(res.saved, grad_readings)
     """
-    named = dict(bank=bank, write_idx=write_idx, write_w=write_w, values=values, beta=beta,
-                 read_idx=read_idx, read_w=read_w)
-    xp = V.common_module(named, allow_none=False)
-    lay = V.layout(bank, write_idx, write_w, values, beta, read_idx, read_w, config)
-    backend = backend_for(xp)
-    if needs_backward:
-        V.check_snapshot_quant(lay, config.snapshot_quant)
-        backend.check_config(lay, config)
-    if check_indices:
-        V.check_index_ranges(lay.S, ("write_idx", write_idx), ("read_idx", read_idx))
+    xp, lay, backend = _checked(bank, write_idx, write_w, values, beta, read_idx, read_w, config,
+                                needs_backward, check_indices)
     if inplace and not bank.flags.c_contiguous:
         raise ValueError("bank must be C-contiguous when inplace=True")
     if inplace and not getattr(bank.flags, "writeable", True):
@@ -268,16 +277,10 @@ def tune(bank, write_idx, write_w, values, beta, read_idx, read_w, config: SDMCo
         what ``forward`` raises for these arguments, before anything runs; ValueError for
         reps < 1.
     """
-    named = dict(bank=bank, write_idx=write_idx, write_w=write_w, values=values, beta=beta,
-                 read_idx=read_idx, read_w=read_w)
-    xp = V.common_module(named, allow_none=False)
-    lay = V.layout(bank, write_idx, write_w, values, beta, read_idx, read_w, config)
+    xp, lay, backend = _checked(bank, write_idx, write_w, values, beta, read_idx, read_w, config,
+                                True, True)
     if int(reps) < 1:
         raise ValueError(f"reps must be >= 1, got {reps}")
-    backend = backend_for(xp)
-    V.check_snapshot_quant(lay, config.snapshot_quant)
-    backend.check_config(lay, config)
-    V.check_index_ranges(lay.S, ("write_idx", write_idx), ("read_idx", read_idx))
     if xp is np:
         return None
     import cupy as cp
