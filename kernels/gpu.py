@@ -255,6 +255,70 @@ def _tile_width(lay: Layout, N: int, nsm: int, per_sm: int = 2, backward: bool =
 
 _PLANS: dict = {}
 _PLANS_MAX = 256
+_TUNED: dict = {}   # (Layout, device limits) -> the BWD_DM_HALVE that tune_layout found faster
+
+
+def halve_for(lay: Layout, limits) -> bool:
+    """Whether the backward of this layout halves its chunk for its dM stage: the choice
+    ``tune_layout`` measured for it on a device of these limits, else ``BWD_DM_HALVE``."""
+    return bool(_TUNED.get((lay, limits), BWD_DM_HALVE))
+
+
+def clear_tuning() -> None:
+    """Forgets every choice ``tune_layout`` made (plans go back to ``BWD_DM_HALVE``)."""
+    _TUNED.clear()
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """What ``tune_layout`` found for one layout."""
+    halve: bool              # the choice now in effect for the layout
+    plans_differ: bool       # False: both choices plan the same kernels, nothing was timed
+    ms: dict                 # {False: median ms, True: median ms} of the timed call; {} if not
+
+
+def tune_layout(lay: Layout, config, run_once, *, reps: int = 5, limits=None) -> Tuning:
+    """Chooses ``BWD_DM_HALVE`` for one layout by measurement, and remembers the choice for it
+    (``halve_for``; ``clear_tuning`` forgets). No rule of the plan's quantities separates the
+    layouts where halving the backward's chunk for its dM stage wins from those where it loses
+    (RESULTS, stop 28), so the caller times both.
+
+    ``run_once()`` runs one forward that saves snapshots and its backward and returns their
+    time in seconds; the plans it asks for see the choice under test. Where both choices plan
+    the same kernels nothing runs. Otherwise one untimed call per choice (compilation), then
+    ``reps`` rounds of one call per choice, interleaved; the lower median wins, and a tie keeps
+    the default."""
+    if reps < 1:
+        raise ValueError(f"reps must be >= 1, got {reps}")
+    limits = limits or _device_limits()
+    key = (lay, limits)
+    kept = _TUNED.pop(key, None)   # what the layout has when this returns (None: nothing)
+
+    def plans(h):
+        _TUNED[key] = h
+        return (plan(lay, config, limits=limits, saves=True),
+                plan(lay, config, limits=limits, backward=True))
+
+    try:
+        if plans(False) == plans(True):
+            return Tuning(halve=bool(BWD_DM_HALVE if kept is None else kept),
+                          plans_differ=False, ms={})
+        times = {False: [], True: []}
+        for rnd in range(reps + 1):
+            for h in (False, True):
+                _TUNED[key] = h
+                t = float(run_once())
+                if rnd:
+                    times[h].append(t)
+        ms = {h: 1e3 * float(np.median(v)) for h, v in times.items()}
+        default = bool(BWD_DM_HALVE)
+        kept = (not default) if ms[not default] < ms[default] else default
+        return Tuning(halve=kept, plans_differ=True, ms=ms)
+    finally:
+        if kept is None:
+            _TUNED.pop(key, None)
+        else:
+            _TUNED[key] = kept
 
 
 def plan(lay: Layout, config, *, quant=None, limits=None, backward=False,
@@ -272,7 +336,7 @@ def plan(lay: Layout, config, *, quant=None, limits=None, backward=False,
     saves = bool(saves) and not backward
     chunk = int(chunk) if backward and chunk is not None else None
     key = (lay, quant, limits, backward, exact, saves, chunk, settings(), MAX_ENTRIES,
-           KEEP_SMEM, E_STAGE, BE_STAGE)
+           KEEP_SMEM, E_STAGE, BE_STAGE, _TUNED.get((lay, limits)))
     pl = _PLANS.get(key)
     if pl is None:
         if saves:   # the chunk the backward takes by itself, or a multiple of it
@@ -447,7 +511,7 @@ def _plan(lay: Layout, quant, limits, backward, cmax=None, exact_snapshots=True,
         if alt.smem_bwd_snap:
             return alt
     if (backward and bwd_snap and not bwd_dm and BWD_DM_STAGE and SUB_SNAPSHOTS
-            and BWD_DM_HALVE
+            and halve_for(lay, limits)
             and exact_snapshots and BWD_CHUNK is None and chunk is None
             and C // 2 >= STAGE_MIN_CHUNK and C & (C - 1) == 0):
         # the same for the dM stage (gpu.BWD_DM_HALVE), from a power-of-two chunk only, so that

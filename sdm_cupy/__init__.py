@@ -8,7 +8,7 @@ and NumPy (CPU) arrays.
 """
 
 from .api import (ForwardResult, Gradients, SavedState, backward, expand_memory_batch, forward,
-                  sum_memory_batch)
+                  sum_memory_batch, tune)
 from .config import SNAPSHOT_QUANT_MODES, SDMConfig, UnsupportedConfigurationError
 from .interop import external_stream, from_dlpack, to_dlpack
 from .state import LayerState
@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 __all__ = ["SDMConfig", "forward", "backward", "ForwardResult", "Gradients", "SavedState",
            "expand_memory_batch", "sum_memory_batch", "LayerState",
            "UnsupportedConfigurationError", "SNAPSHOT_QUANT_MODES", "from_dlpack", "to_dlpack",
-           "check_device_errors", "gpu_available", "external_stream"]
+           "check_device_errors", "gpu_available", "external_stream", "tune"]
 
 
 def gpu_available() -> bool:

@@ -17,7 +17,7 @@ from . import _validate as V
 from .config import SDMConfig
 
 __all__ = ["forward", "backward", "ForwardResult", "Gradients", "SavedState",
-           "expand_memory_batch", "sum_memory_batch"]
+           "expand_memory_batch", "sum_memory_batch", "tune"]
 
 
 def backend_for(xp):
@@ -127,6 +127,23 @@ def _contiguous(xp, x, dtype=None):
     return xp.ascontiguousarray(x)
 
 
+def _checked(bank, write_idx, write_w, values, beta, read_idx, read_w, config, needs_backward,
+             check_indices):
+    """``forward``'s checks of its arguments (before anything runs): the array module, the
+    layout and the backend, which also refuses the snapshot mode where a backward needs it."""
+    named = dict(bank=bank, write_idx=write_idx, write_w=write_w, values=values, beta=beta,
+                 read_idx=read_idx, read_w=read_w)
+    xp = V.common_module(named, allow_none=False)
+    lay = V.layout(bank, write_idx, write_w, values, beta, read_idx, read_w, config)
+    backend = backend_for(xp)
+    if needs_backward:
+        V.check_snapshot_quant(lay, config.snapshot_quant)
+        backend.check_config(lay, config)
+    if check_indices:
+        V.check_index_ranges(lay.S, ("write_idx", write_idx), ("read_idx", read_idx))
+    return xp, lay, backend
+
+
 def forward(bank, write_idx, write_w, values, beta, read_idx, read_w, config: SDMConfig, *,
             needs_backward: bool = True, inplace: bool = False, check_indices: bool = True):
     """Runs the SDM write/read of SPEC §2 over T tokens.
@@ -161,16 +178,8 @@ def forward(bank, write_idx, write_w, values, beta, read_idx, read_w, config: SD
         >>> res = forward(bank, wi, ww, v, beta, ri, rw, cfg)
         >>> g = backward(res.saved, grad_readings)
     """
-    named = dict(bank=bank, write_idx=write_idx, write_w=write_w, values=values, beta=beta,
-                 read_idx=read_idx, read_w=read_w)
-    xp = V.common_module(named, allow_none=False)
-    lay = V.layout(bank, write_idx, write_w, values, beta, read_idx, read_w, config)
-    backend = backend_for(xp)
-    if needs_backward:
-        V.check_snapshot_quant(lay, config.snapshot_quant)
-        backend.check_config(lay, config)
-    if check_indices:
-        V.check_index_ranges(lay.S, ("write_idx", write_idx), ("read_idx", read_idx))
+    xp, lay, backend = _checked(bank, write_idx, write_w, values, beta, read_idx, read_w, config,
+                                needs_backward, check_indices)
     if inplace and not bank.flags.c_contiguous:
         raise ValueError("bank must be C-contiguous when inplace=True")
     if inplace and not getattr(bank.flags, "writeable", True):
@@ -241,6 +250,52 @@ def backward(saved: SavedState, grad_readings, grad_bank=None) -> Gradients:
 
 def _as(x, dtype):
     return x if np.dtype(x.dtype) == dtype else x.astype(dtype)
+
+
+def tune(bank, write_idx, write_w, values, beta, read_idx, read_w, config: SDMConfig, *,
+         reps: int = 5):
+    """Times this call's forward+backward on its GPU under the two plans the backward can take
+    where its dM stage does not fit beside its chunk (``gpu.BWD_DM_HALVE``: keep the chunk
+    without the stage, or halve it with the stage and sub-chunk snapshots in the forward),
+    and makes the faster one the plan of this layout (shapes, dtypes, chunk size) for the rest
+    of the process. Neither wins everywhere and no rule we found predicts which (stop 28:
+    −6.1% at the headline on an H200, +8% at W = 8), hence a measurement. Run it once per
+    layout before training, with inputs like the real ones; it leaves them unmodified.
+
+    Each timed call is an eager ``forward`` (a fresh final bank) and ``backward`` with
+    ``grad_readings`` = ``values``, between CUDA events: one untimed call per plan, then
+    ``reps`` rounds, interleaved; the lower median wins (a tie keeps the default). Where both
+    plans are the same kernels nothing runs. Do not run calls of this layout on other threads
+    meanwhile (they would see the plan under test). ``sdm_cupy.kernels.gpu.clear_tuning()``
+    forgets every choice. A CUDA graph captured before keeps the plans it captured.
+
+    Returns:
+        ``sdm_cupy.kernels.gpu.Tuning(halve, plans_differ, ms)``; None for NumPy arrays (the
+        CPU backend has one plan).
+
+    Raises:
+        what ``forward`` raises for these arguments, before anything runs; ValueError for
+        reps < 1.
+    """
+    xp, lay, backend = _checked(bank, write_idx, write_w, values, beta, read_idx, read_w, config,
+                                True, True)
+    if int(reps) < 1:
+        raise ValueError(f"reps must be >= 1, got {reps}")
+    if xp is np:
+        return None
+    import cupy as cp
+
+    def run_once():
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        res = forward(bank, write_idx, write_w, values, beta, read_idx, read_w, config,
+                      check_indices=False)
+        backward(res.saved, values)
+        end.record()
+        end.synchronize()
+        return cp.cuda.get_elapsed_time(start, end) / 1e3
+
+    return backend.tune_layout(lay, config, run_once, reps=int(reps))
 
 
 def expand_memory_batch(param, batch: int):

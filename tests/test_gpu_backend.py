@@ -836,3 +836,43 @@ def test_expand_and_sum_memory_batch(rng):
         s = sdm.sum_memory_batch(cp.asarray(grad), 24)
         want = grad.astype(np.float64).reshape(3, 24, 10).sum(0)
         assert_close(s, want, 1e-2 if dt == BF16 else 1e-6, f"sum_memory_batch {np.dtype(dt)}")
+
+
+def test_tune_keeps_a_plan_and_both_match_reference(rng):
+    """sdm.tune on a layout whose two plans differ on an H100/H200 (the headline's B, P, hd and
+    W, so its tiles and shared memory; T = 130, a partial last chunk; repeated slots across
+    sub-chunks, S = 300): it times both, keeps one for the layout and leaves its inputs as
+    they were. Forward+backward under the kept plan and under the other (forced) match the
+    float64 reference, and the bank rewinds bit for bit."""
+    from sdm_cupy.kernels import gpu
+    pb = make_problem(rng, B=4, T=130, P=8, hd=128, S=300, W=16, dtype=BF16)
+    cfg = _cfg(pb, 64)
+    x = pb.to(cp)
+    lay = sdm._validate.layout(x.bank, *x.inputs, cfg)
+    limits = gpu._device_limits()
+    big = limits[1] >= 227 * 1024   # an H100/H200's shared memory: the plans differ there
+    dr = rng.normal(size=pb.values.shape).astype(BF16)
+    r_ref, fin_ref = reference_fwd(pb)
+    g_ref = reference_bwd(pb, dr.astype(np.float64))
+    gpu.clear_tuning()
+    try:
+        t = sdm.tune(x.bank, *x.inputs, cfg, reps=2)
+        if big:
+            assert t.plans_differ and set(t.ms) == {False, True}
+            assert min(t.ms.values()) > 0
+        for got, want in zip((x.bank, *x.inputs), pb.args()):
+            assert np.array_equal(to_numpy(got).view(np.uint8), want.view(np.uint8))
+        assert gpu.halve_for(lay, limits) is t.halve
+        for forced in (t.halve, not t.halve):
+            gpu._TUNED[(lay, limits)] = forced
+            saving = gpu.plan(lay, cfg, saves=True)
+            if big:
+                assert (saving.C, saving.sub) == ((64, 32) if forced else (64, 0))
+            (r, fin), grads, rewound = _run(pb, cfg, dr, None)
+            assert np.array_equal(rewound.view(np.uint8), pb.bank.view(np.uint8))
+            assert_close(r, r_ref, 5e-2, f"readings (halve={forced})")
+            assert_close(fin, fin_ref, 5e-2, f"final bank (halve={forced})")
+            for name, got, want in zip(GRADS, grads, g_ref):
+                assert_close(got, want, 5e-2, f"grad {name} (halve={forced})")
+    finally:
+        gpu.clear_tuning()
