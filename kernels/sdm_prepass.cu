@@ -142,6 +142,30 @@ __device__ __forceinline__ K entry_slot(int i, int N, int W, int P, long long to
   return bad;
 }
 
+// Every entry i < N2 of the chunk through entry_slot, then `take(i, slot)`, in groups: a thread
+// loads the ids of ENTRY_GROUP entries before it hands any on (the hash tables' pushes are
+// shared-memory atomics, which would otherwise wait for one global round trip per entry).
+template <typename A, typename I, typename F>
+__device__ __forceinline__ void entry_slots(int N2, int N, int W, int P, long long tok0,
+                                            const I* __restrict__ wi, const A* __restrict__ aw,
+                                            const I* __restrict__ ri, const A* __restrict__ cw,
+                                            long long S, unsigned bad, A* wq_s, int* err,
+                                            F take) {
+  for (int i0 = threadIdx.x; i0 < N2; i0 += ENTRY_GROUP * blockDim.x) {
+    unsigned slot[ENTRY_GROUP];
+#pragma unroll
+    for (int u = 0; u < ENTRY_GROUP; ++u) {
+      const int i = i0 + u * blockDim.x;
+      if (i < N2) slot[u] = entry_slot(i, N, W, P, tok0, wi, aw, ri, cw, S, bad, wq_s, err);
+    }
+#pragma unroll
+    for (int u = 0; u < ENTRY_GROUP; ++u) {
+      const int i = i0 + u * blockDim.x;
+      if (i < N2) take(i, slot[u]);
+    }
+  }
+}
+
 // The hash tables of both forms: nb = 2^lg buckets, open addressing from a slot's home bucket;
 // tab_key[h] holds the bucket's slot (~0u: empty), tab_top[h] the last entry pushed on its
 // list (-1: none). table_clear empties the table and zeroes the CSR masks (the caller syncs).
@@ -247,20 +271,8 @@ prepass_body(const I* __restrict__ wi, const A* __restrict__ aw, const I* __rest
     // 2b. weights; each entry claims its slot's bucket and pushes itself on the bucket's list:
     //     pos[i] = bucket << 16 | the entry pushed before it (0xFFFF: none). Bad ids share the
     //     bucket of KEY_BAD.
-    for (int i0 = threadIdx.x; i0 < N2; i0 += ENTRY_GROUP * blockDim.x) {   // as in step 2h
-      unsigned slot[ENTRY_GROUP];
-#pragma unroll
-      for (int u = 0; u < ENTRY_GROUP; ++u) {
-        const int i = i0 + u * blockDim.x;
-        if (i < N2)
-          slot[u] = entry_slot(i, N, W, P, tok0, wi, aw, ri, cw, S, (unsigned)KEY_BAD, wq_s, err);
-      }
-#pragma unroll
-      for (int u = 0; u < ENTRY_GROUP; ++u) {
-        const int i = i0 + u * blockDim.x;
-        if (i < N2) pos[i] = table_push(tab_key, tab_top, NB, lg, slot[u], i);
-      }
-    }
+    entry_slots(N2, N, W, P, tok0, wi, aw, ri, cw, S, (unsigned)KEY_BAD, wq_s, err,
+                [&](int i, unsigned slot) { pos[i] = table_push(tab_key, tab_top, NB, lg, slot, i); });
     __syncthreads();
     // 3b. from the list's members (in any order): bits 16-31 of pos[i] become 1 + the
     //     previous write (a write) or 1 + the last write (a read) of the slot, 0 for none or a
@@ -338,23 +350,10 @@ prepass_body(const I* __restrict__ wi, const A* __restrict__ aw, const I* __rest
     // 2h. weights; each write entry claims its slot's bucket and pushes itself on the bucket's
     //     list: pos[q] = bucket << 16 | the entry pushed before it (0xFFFF: none); a read
     //     entry keeps its slot in pos[N + e]. Bad ids share the bucket of KEY_BAD.
-    //     A thread loads the ids of ENTRY_GROUP entries before it pushes any (the pushes'
-    //     atomics would otherwise wait for one global round trip per entry).
-    for (int i0 = threadIdx.x; i0 < N2; i0 += ENTRY_GROUP * blockDim.x) {
-      unsigned slot[ENTRY_GROUP];
-#pragma unroll
-      for (int u = 0; u < ENTRY_GROUP; ++u) {
-        const int i = i0 + u * blockDim.x;
-        if (i < N2)
-          slot[u] = entry_slot(i, N, W, P, tok0, wi, aw, ri, cw, S, (unsigned)KEY_BAD, wq_s, err);
-      }
-#pragma unroll
-      for (int u = 0; u < ENTRY_GROUP; ++u) {
-        const int i = i0 + u * blockDim.x;
-        if (i < N2)
-          pos[i] = i < N ? table_push(tab_key, tab_top, M2max, lg, slot[u], i) : (int)slot[u];
-      }
-    }
+    entry_slots(N2, N, W, P, tok0, wi, aw, ri, cw, S, (unsigned)KEY_BAD, wq_s, err,
+                [&](int i, unsigned slot) {
+                  pos[i] = i < N ? table_push(tab_key, tab_top, M2max, lg, slot, i) : (int)slot;
+                });
     __syncthreads();
     // 3h. per write entry its neighbours of the same slot (from the list's members, in any
     //     order): the next goes to wrun, 1 + the previous to bits 16-31 of pos[q] (bits 0-15,
