@@ -166,6 +166,16 @@ __device__ __forceinline__ void entry_slots(int N2, int N, int W, int P, long lo
   }
 }
 
+// Step 3 of the hashed forms marks the entries whose walk in step 4 is not empty (a write with
+// an earlier write of its slot, a read whose slot the chunk writes): bit w of word 2(2C + t)
+// for write (t, w), of word 2(2C + t) + 1 for read (t, w), in rm's section 2 (zeroed with the
+// masks; step 5 writes it only after step 4's barrier). Step 4 then walks only those, in the
+// same ascending order, so every sum keeps its terms and their order. For W <= LIVE_MAX_W.
+constexpr int LIVE_MAX_W = 32;
+__device__ __forceinline__ void mark_live(unsigned* rm32, int C, int W, int e, bool read) {
+  if (W <= LIVE_MAX_W) atomicOr(rm32 + 2 * (2 * C + e / W) + (read ? 1 : 0), 1u << (e % W));
+}
+
 // The hash tables of both forms: nb = 2^lg buckets, open addressing from a slot's home bucket;
 // tab_key[h] holds the bucket's slot (~0u: empty), tab_top[h] the last entry pushed on its
 // list (-1: none). table_clear empties the table and zeroes the CSR masks (the caller syncs).
@@ -224,7 +234,8 @@ prepass_body(const I* __restrict__ wi, const A* __restrict__ aw, const I* __rest
   //         they fit (kernels/gpu.py _smem mirrors the test), else Ai after Hs and rend in keys
   //         (M2max >= 2C).
   // rm[r]: bit k set iff entry k of CSR row r is non-zero (r < NSEC * C; rows past L stay 0),
-  //         and rm[3C + t] that of row t of G in both forms. The dense matrices are never
+  //         and rm[3C + t] that of row t of G in both forms; rm[2C + t] holds token t's
+  //         entries to walk in step 4 (mark_live) until step 5 writes section 2. The dense matrices are never
   //         zeroed: every read of them goes through a mask or a row that was written.
   int M2max = 1;
   while (M2max < 2 * C * W) M2max <<= 1;
@@ -294,6 +305,7 @@ prepass_body(const I* __restrict__ wi, const A* __restrict__ aw, const I* __rest
       const bool bad = tab_key[h] == (unsigned)KEY_BAD;
       const int link = bad ? -1 : (i < N ? prevw : lastw);
       pos[i] = ((link + 1) << 16) | (code & 0xFFFF);
+      if (link >= 0) mark_live(rm32, C, W, i < N ? i : i - N, i >= N);
       if (i >= N) out[2 * C * W + i - N] = !bad && firstw < N ? firstw + 1 : 0;
       run_off[i] = rank == 0 ? len : 0;
       place[i] = first | rank << 14 | (bad ? 1 << 28 : 0);
@@ -371,6 +383,7 @@ prepass_body(const I* __restrict__ wi, const A* __restrict__ aw, const I* __rest
         srt_g[(long long)blk * C * W + i] =
             (next < N ? next + 1 : 0) | (prev < 0 ? WRUN_HEAD : 0) | (bad ? WRUN_BAD : 0);
         pos[i] = ((bad ? 0 : prev + 1) << 16) | (code & 0xFFFF);
+        if (!bad && prev >= 0) mark_live(rm32, C, W, i, false);
       } else {
         const unsigned slot = (unsigned)pos[i];
         int last = -1;
@@ -386,6 +399,7 @@ prepass_body(const I* __restrict__ wi, const A* __restrict__ aw, const I* __rest
           }
         }
         pos[i] = last;
+        if (last >= 0) mark_live(rm32, C, W, i - N, true);
       }
     }
     __syncthreads();
@@ -463,9 +477,9 @@ prepass_body(const I* __restrict__ wi, const A* __restrict__ aw, const I* __rest
     const int t = isH ? task - L : task;
     A* row = isH ? Hs + t * (t + 1) / 2 : Gs + t * (t - 1) / 2;
     unsigned long long seen = 0;   // the row's entries written so far
-    for (int w = 0; w < W; ++w) {
-      const int q = (isH ? N : 0) + t * W + w;
-      if (HASH || hash2) {   // the same walks along the previous-write links of step 3h/3b
+    if (HASH || hash2) {   // the same walks along the previous-write links of step 3h/3b
+      const auto walk = [&](int w) {
+        const int q = (isH ? N : 0) + t * W + w;
         const A wq = wq_s[q];
         for (int q2 = isH && SPARSE == 1 ? pos[q] : (pos[q] >> 16) - 1; q2 >= 0;
              q2 = (pos[q2] >> 16) - 1) {
@@ -475,33 +489,41 @@ prepass_body(const I* __restrict__ wi, const A* __restrict__ aw, const I* __rest
           row[tau] = ((seen & bit) ? row[tau] : A(0)) + wq * wq_s[q2];
           seen |= bit;
         }
-        continue;
+      };
+      if (W <= LIVE_MAX_W) {   // only the entries that step 3 marked: a walk to take
+        for (unsigned m = rm32[2 * (2 * C + t) + isH]; m; m &= m - 1) walk(__ffs(m) - 1);
+      } else {
+        for (int w = 0; w < W; ++w) walk(w);
       }
-      if (SPARSE == 1 && isH) {   // walk the read's run of writes back (same order as below)
-        const int code = pos[q], start = code & 0xFFFF;
+    } else {   // the sort's runs
+      for (int w = 0; w < W; ++w) {
+        const int q = (isH ? N : 0) + t * W + w;
+        if (SPARSE == 1 && isH) {   // walk the read's run of writes back (same order as below)
+          const int code = pos[q], start = code & 0xFFFF;
+          const A wq = wq_s[q];
+          for (int p2 = start + (code >> 16) - 1; p2 >= start; --p2) {
+            const int q2 = (int)(keys[p2] & QMASK);
+            const int tau = q2 / W;
+            if (tau > t) continue;
+            const unsigned long long bit = 1ull << tau;
+            row[tau] = ((seen & bit) ? row[tau] : A(0)) + wq * wq_s[q2];
+            seen |= bit;
+          }
+          continue;
+        }
+        const int ps = pos[q];
+        const K slot = keys[ps] >> QBITS;
+        if (slot == KEY_BAD) continue;
         const A wq = wq_s[q];
-        for (int p2 = start + (code >> 16) - 1; p2 >= start; --p2) {
+        for (int p2 = ps - 1; p2 >= 0 && (keys[p2] >> QBITS) == slot; --p2) {
           const int q2 = (int)(keys[p2] & QMASK);
+          if (q2 >= N) continue;                       // a read entry (only before reads)
           const int tau = q2 / W;
-          if (tau > t) continue;
+          if (isH ? tau > t : tau >= t) continue;
           const unsigned long long bit = 1ull << tau;
           row[tau] = ((seen & bit) ? row[tau] : A(0)) + wq * wq_s[q2];
           seen |= bit;
         }
-        continue;
-      }
-      const int ps = pos[q];
-      const K slot = keys[ps] >> QBITS;
-      if (slot == KEY_BAD) continue;
-      const A wq = wq_s[q];
-      for (int p2 = ps - 1; p2 >= 0 && (keys[p2] >> QBITS) == slot; --p2) {
-        const int q2 = (int)(keys[p2] & QMASK);
-        if (q2 >= N) continue;                       // a read entry (only before reads)
-        const int tau = q2 / W;
-        if (isH ? tau > t : tau >= t) continue;
-        const unsigned long long bit = 1ull << tau;
-        row[tau] = ((seen & bit) ? row[tau] : A(0)) + wq * wq_s[q2];
-        seen |= bit;
       }
     }
     unsigned long long nz = 0;   // sums that cancel to exactly 0 have no CSR entry
