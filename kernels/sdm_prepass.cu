@@ -633,16 +633,29 @@ prepass_body(const I* __restrict__ wi, const A* __restrict__ aw, const I* __rest
 
 // Blocks of 512 threads per SM that the registers must allow (<= 32 per thread for 4, <= 40
 // for 3): as many as the shared memory allows at the headline (the forward's form 51 KB, the
-// backward's 67 KB). Left free, the compiler takes 56 registers: two blocks per SM.
-// -DSDM_PREPASS_MINB=n (benchmarks) sets both forms.
-#ifdef SDM_PREPASS_MINB
-#define SDM_PREPASS_BLOCKS(SPARSE) SDM_PREPASS_MINB
+// backward's 67 KB), and no more than the SM's threads allow (2048 on sm_80, sm_90 and sm_100,
+// 1536 on sm_86, sm_87, sm_89 and sm_12x, 1024 on sm_75). Left free, the compiler takes 56
+// registers: two blocks per SM. -DSDM_PREPASS_MINB=n (benchmarks) sets both forms.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 750
+#define SDM_PREPASS_SM_THREADS 1024
+#elif defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 860 || __CUDA_ARCH__ == 870 || \
+                                 __CUDA_ARCH__ == 890 || __CUDA_ARCH__ >= 1200)
+#define SDM_PREPASS_SM_THREADS 1536
 #else
-#define SDM_PREPASS_BLOCKS(SPARSE) ((SPARSE) == 1 ? 4 : 3)
+#define SDM_PREPASS_SM_THREADS 2048
 #endif
 
+__host__ __device__ constexpr int prepass_blocks(int sparse) {
+#ifdef SDM_PREPASS_MINB
+  return SDM_PREPASS_MINB;
+#else
+  return (sparse == 1 ? 4 : 3) < SDM_PREPASS_SM_THREADS / 512 ? (sparse == 1 ? 4 : 3)
+                                                              : SDM_PREPASS_SM_THREADS / 512;
+#endif
+}
+
 template <typename A, typename I, int SPARSE>
-__global__ void __launch_bounds__(512, SDM_PREPASS_BLOCKS(SPARSE))
+__global__ void __launch_bounds__(512, prepass_blocks(SPARSE))
 sdm_prepass_kernel(const I* __restrict__ wi, const A* __restrict__ aw, const I* __restrict__ ri,
                    const A* __restrict__ cw, const A* __restrict__ beta,
                    int T, int P, int W, long long S, int C, int n0, int nseg,
