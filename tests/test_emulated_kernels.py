@@ -311,6 +311,39 @@ def test_sub_chunk_snapshots_in_the_scatter_are_the_separate_passes(rng, monkeyp
     assert not np.array_equal(outs[0][2], outs[2][2]), "no snapshot of a later sub-chunk"
 
 
+@pytest.mark.parametrize("W", [5, 40])
+def test_prepass_hash_tables_and_live_walks_are_bitwise_the_sort(rng, monkeypatch, W):
+    """The pre-pass's hashed forms (and, for W <= 32, step 4 walking only the entries that step
+    3 marked) against the bitonic sort they replace (-DSDM_PREPASS_SORT_WRITES): readings,
+    final bank and snapshots of the forward, the value gradients and the rewound bank of the
+    backward bit for bit the same. At W = 5 both forms hash (C = 64); at W = 40 the forward's
+    does, without the marks."""
+    from sdm_cupy.kernels import gpu
+    pb = make_problem(rng, B=1, T=70, P=2, hd=16, S=20, W=W, dtype=np.float32)
+    cfg = _cfg(pb)
+    lay = sdm._validate.layout(pb.bank, *pb.inputs, cfg)
+    emu.patch(monkeypatch)
+    pl = gpu.plan(lay, cfg, quant=None, saves=True)
+    # not vacuous: some chunk writes a slot twice (G) and reads a slot it writes (H)
+    first = pb.write_idx[0, :pl.C, 0].reshape(-1)
+    assert len(np.unique(first)) < first.size
+    assert np.isin(pb.read_idx[0, :pl.C, 0], first).any()
+    dr = rng.normal(size=pb.values.shape).astype(np.float32)
+    inputs = _inputs(pb, lay)
+    outs = []
+    for macros in ((), ("-DSDM_PREPASS_SORT_WRITES",)):
+        emu.patch(monkeypatch, seed=7919, macros=macros)
+        bank = pb.bank.copy()
+        r, snaps = gpu.sdm_fwd(lay, cfg, bank, *inputs, save_snapshots=True)
+        fin = bank.copy()
+        g = gpu.sdm_bwd(lay, cfg, bank, inputs, snaps, dr, None)
+        outs.append([a.view(np.uint8).copy() for a in (r, fin, snaps[0], g[2], bank)])
+    gpu._PLANS.clear()
+    for name, a, b in zip(("readings", "final bank", "snapshots", "value gradients",
+                           "rewound bank"), *outs):
+        assert np.array_equal(a, b), f"{name}: the hashed pre-pass and the sort differ"
+
+
 @pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
 def test_forward_is_bitwise_the_same_in_any_block_and_thread_order(rng, monkeypatch, dtype):
     """Three seeds, three orders of blocks and of threads between barriers: readings, final
