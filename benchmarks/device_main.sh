@@ -1,19 +1,34 @@
 #!/bin/bash
-# Main, one device call (about 560 s with a cold lease, under the 600 s limit):
-#   1. the GPU suite (main's kernels are stop 20's; its plans, the chunk-carrying snapshots and
-#      their GPU tests have not run on a GPU yet);
-#   2. benchmarks/sanitize.py with the time left: every kernel path under compute-sanitizer
-#      (memcheck first, then synccheck, racecheck, initcheck).
-# Run from the repository root on the device, carrying .whl: bash benchmarks/device_main.sh
+# Main on the device in one call (BUDGET, default 580 s, under the 600 s limit):
+#   suite     the GPU suite (benchmarks/gpu_check.py, 16 workers; at most 400 s, about 390 s
+#             on an H100 with the modules compiled cold);
+#   bench     bench_gpu.py --quick with the time left (the headline cases and FLA's anchor; its
+#             JSON and plot go to $OUT);
+#   sanitize  benchmarks/sanitize.py with the time left (every kernel path under
+#             compute-sanitizer: memcheck first, then synccheck, racecheck, initcheck).
+# STEPS picks them, in that order (default "suite bench"). Run from the repository root on the
+# device, carrying .whl (FLA's wheels for the bench):
+#   bash benchmarks/device_main.sh
+#   STEPS="suite sanitize" bash benchmarks/device_main.sh
 set -u
 cd "$(dirname "$0")/.."
 T0=$(date +%s)
+STEPS=${STEPS:-suite bench}
+left() { echo $(( ${BUDGET:-580} - ($(date +%s) - T0) )); }
+nvidia-smi --query-gpu=name --format=csv,noheader
 # the carried wheels (FLA for the benchmarks) when there, and the checkout itself
 python3 -m pip install -q --no-deps --no-build-isolation $(ls .whl/*.whl 2>/dev/null) -e . \
     > ${OUT:-/tmp}/pip.log 2>&1 || { echo "pip install failed:"; tail -5 ${OUT:-/tmp}/pip.log; }
-PYTEST_TIMEOUT=280 timeout 300 python3 benchmarks/gpu_check.py --no-bench --pytest-args "-n 16" 2>&1 | tail -8
-LEFT=$(( 560 - ($(date +%s) - T0) ))
-echo "== sanitizer, ${LEFT} s left"
-timeout $(( LEFT + 15 )) python3 benchmarks/sanitize.py --timeout $LEFT \
-    --tools memcheck,synccheck,racecheck,initcheck 2>&1 | tail -12
+for step in $STEPS; do
+  L=$(left)
+  echo "== $step, ${L} s left"
+  case $step in
+    suite) S=$(( L < 400 ? L : 400 ))   # the bench's share stays
+           PYTEST_TIMEOUT=$(( S - 20 )) timeout $S python3 benchmarks/gpu_check.py \
+             --no-bench --pytest-args "-n 16" 2>&1 | tail -6 ;;
+    bench) (cd benchmarks && timeout $L python3 bench_gpu.py --quick --out ${OUT:-.} 2>&1 | tail -16) ;;
+    sanitize) timeout $(( L + 15 )) python3 benchmarks/sanitize.py --timeout $L \
+                --tools memcheck,synccheck,racecheck,initcheck 2>&1 | tail -12 ;;
+  esac
+done
 echo "total $(( $(date +%s) - T0 )) s"
