@@ -235,8 +235,8 @@ prepass_body(const I* __restrict__ wi, const A* __restrict__ aw, const I* __rest
   //         (M2max >= 2C).
   // rm[r]: bit k set iff entry k of CSR row r is non-zero (r < NSEC * C; rows past L stay 0),
   //         and rm[3C + t] that of row t of G in both forms; rm[2C + t] holds token t's
-  //         entries to walk in step 4 (mark_live) until step 5 writes section 2. The dense matrices are never
-  //         zeroed: every read of them goes through a mask or a row that was written.
+  //         entries to walk in step 4 (mark_live) until step 5 writes section 2. The matrices
+  //         are never zeroed: every read of them goes through a mask or a row that was written.
   int M2max = 1;
   while (M2max < 2 * C * W) M2max <<= 1;
   A* wq_s = reinterpret_cast<A*>(smem + 8 * M2max);   // the chunk's write weights, then its reads'
@@ -247,7 +247,8 @@ prepass_body(const I* __restrict__ wi, const A* __restrict__ aw, const I* __rest
   A* Hs = Gs + C * (C - 1) / 2;
   const int tri = C * (C + 1) / 2;   // values of a packed triangle with its diagonal
   const int gh = SPARSE == 1 ? C * C : 2 * C * ld;   // the room of Gs and Hs, in values
-  const bool ai_dead = tri * (int)sizeof(A) + 16 * C <= M2max * 8 + 2 * C * W * ((int)sizeof(A) + 4);
+  const bool ai_dead =
+      tri * (int)sizeof(A) + 16 * C <= M2max * 8 + 2 * C * W * ((int)sizeof(A) + 4);
   A* Ai = ai_dead ? reinterpret_cast<A*>(smem) : Gs + gh;
   int* rend = ai_dead ? reinterpret_cast<int*>(Ai + tri) : reinterpret_cast<int*>(smem);
   K* rslot = keys + M2max / 2;   // the forward's form: M2 <= M2max / 2 keys
@@ -283,7 +284,9 @@ prepass_body(const I* __restrict__ wi, const A* __restrict__ aw, const I* __rest
     //     pos[i] = bucket << 16 | the entry pushed before it (0xFFFF: none). Bad ids share the
     //     bucket of KEY_BAD.
     entry_slots(N2, N, W, P, tok0, wi, aw, ri, cw, S, (unsigned)KEY_BAD, wq_s, err,
-                [&](int i, unsigned slot) { pos[i] = table_push(tab_key, tab_top, NB, lg, slot, i); });
+                [&](int i, unsigned slot) {
+                  pos[i] = table_push(tab_key, tab_top, NB, lg, slot, i);
+                });
     __syncthreads();
     // 3b. from the list's members (in any order): bits 16-31 of pos[i] become 1 + the
     //     previous write (a write) or 1 + the last write (a read) of the slot, 0 for none or a
