@@ -274,9 +274,13 @@ def bench_fla(B, T, H, K, reps=10):
             with torch.cuda.graph(graph):
                 fn()
             gt[name] = tt(graph.replay)
+            del graph
         out.update(g_fwd_ms=gt["fwd"] * 1e3, g_fb_ms=gt["fb"] * 1e3)
     except Exception as exc:  # noqa: BLE001
         out["graph_error"] = f"{type(exc).__name__}: {exc}"
+    # our cases run after it: give its cached blocks back to the device
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     return out
 
 
@@ -344,6 +348,17 @@ def main():
           flush=True)
     rows = []
     head = dict(B=4, T=4096, P=8, hd=128, S=16384, W=16, C=64)
+    fla = {}
+
+    def dump():
+        # after every case, so that a run cut short by a time limit keeps what it measured
+        out = dict(device=cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+                   copy_bw_TBs=bw / 1e12, l2_mib=l2_mb, rows=rows, fla=fla,
+                   wall_s=time.time() - t0)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench_gpu.json"), "w") as f:
+            json.dump(out, f, indent=1)
+        return out
 
     def run(tag, **kw):
         if args.only is not None and tag != args.only:
@@ -357,8 +372,15 @@ def main():
               f"snapshots {r['t_fwd_nosnap_ms']:.3f})  fwd+bwd {r['t_fb_ms']:7.3f} eager, "
               f"{r['g_fb_ms']:7.3f} graph ({r['g_fb_over_floor']:.2f}x)  "
               f"peak {r['peak_mb']:.0f} MB (need {r['need_mb']:.0f})", flush=True)
+        dump()
 
     run("headline")
+    # the anchor right after the headline: a run cut short still has both (stop 30: an H200
+    # run's time limit fell between the last case and FLA)
+    if args.only is None:
+        fla.update(bench_fla(4, 4096, 8, 128))
+        print("FLA chunk_delta_rule B=4 T=4096 H=8 K=V=128 bf16:", fla, flush=True)
+        dump()
     run("headline register gather", stage=0)   # the forward's read rows through registers
     run("headline rows re-read", keep=False)
     run("headline W=8", W=8)
@@ -374,13 +396,7 @@ def main():
         run("hd=64", hd=64)   # the read-row stage at the register form's tile width
         for T in (1024, 16384):
             run(f"T={T}", T=T)
-    fla = bench_fla(4, 4096, 8, 128) if args.only is None else {}
-    print("FLA chunk_delta_rule B=4 T=4096 H=8 K=V=128 bf16:", fla, flush=True)
-    out = dict(device=cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
-               copy_bw_TBs=bw / 1e12, l2_mib=l2_mb, rows=rows, fla=fla, wall_s=time.time() - t0)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_gpu.json"), "w") as f:
-        json.dump(out, f, indent=1)
+    out = dump()
     # times: "eager" = events around one call with the device idle before it (host time
     # included, as a caller that waits on every call sees it); "graph" = one replay of the
     # call captured in a CUDA graph (device time only). Floors and ratios use the graph time.
