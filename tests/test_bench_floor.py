@@ -1,6 +1,8 @@
 """The GPU benchmark's byte floor (SPEC §10), checked by hand on small cases: the ratios in
 benchmarks/RESULTS.md are only as right as these counts. Pure NumPy: no device needed."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -68,3 +70,33 @@ def test_plot_draws_both_panels_from_a_saved_run(tmp_path):
         assert data[:8] == b"\x89PNG\r\n\x1a\n"
         sizes[name] = int.from_bytes(data[16:20], "big")   # the image's width (IHDR)
     assert sizes["both"] > sizes["floor_only"]              # the second panel widens the figure
+
+
+def test_a_run_cut_after_the_headline_keeps_it_and_the_fla_anchor(tmp_path, monkeypatch):
+    """bench_gpu writes its JSON after every case and measures FLA right after the headline, so
+    a run that a time limit stops later still has both (stop 30). The device work is stubbed:
+    the second case raises, as a timeout would stop it."""
+    bench = _bench()
+    calls = []
+
+    def fake_sdm(**cfg):
+        calls.append(cfg)
+        if len(calls) > 1:
+            raise KeyboardInterrupt("the time limit")
+        keys = ("t_fwd_ms", "g_fwd_ms", "g_fwd_over_floor", "t_prepass_ms", "t_fwd_nosnap_ms",
+                "t_fb_ms", "g_fb_ms", "g_fb_over_floor", "peak_mb", "need_mb")
+        return dict.fromkeys(keys, 1.0)
+
+    monkeypatch.setattr(bench, "bench_sdm", fake_sdm)
+    monkeypatch.setattr(bench, "bench_fla", lambda *a, **k: {"g_fwd_ms": 0.3, "g_fb_ms": 1.0})
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda: 3e12)
+    monkeypatch.setattr(bench.cp.cuda.runtime, "getDeviceProperties",
+                        lambda i: {"l2CacheSize": 50 << 20, "name": b"stub"})
+    monkeypatch.setattr(bench.cp.cuda, "Device", lambda *a: type("D", (), {"id": 0})())
+    monkeypatch.setattr("sys.argv", ["bench_gpu.py", "--quick", "--out", str(tmp_path)])
+    with pytest.raises(KeyboardInterrupt):
+        bench.main()
+    out = json.loads((tmp_path / "bench_gpu.json").read_text())
+    assert [r["case"] for r in out["rows"]] == ["headline"]
+    assert out["fla"] == {"g_fwd_ms": 0.3, "g_fb_ms": 1.0}
+    assert out["device"] == "stub"
