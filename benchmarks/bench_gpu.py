@@ -138,12 +138,14 @@ def make_inputs(B, T, P, hd, S, W, seed=0):
 
 
 def bench_sdm(B, T, P, hd, S, W, C, bw, reps=10, tile=None, threads=256, keep=None,
-              bwd_threads=512, bwd_tile=None, graphs=True, stage=None):
+              bwd_threads=512, bwd_tile=None, graphs=True, stage=None, tuned=False):
     gpu.TILE_WIDTH, gpu.THREADS, gpu.KEEP_ROWS = tile, threads, keep
     gpu.STAGE_READS = stage   # None: the forward stages its read rows where the plan says
     gpu.BWD_THREADS, gpu.BWD_TILE_WIDTH = bwd_threads, bwd_tile
     bank, wi, ww, v, beta, ri, rw, dr = make_inputs(B, T, P, hd, S, W)
     cfg = sdm.SDMConfig(num_memory_slots=S, num_parallel=P, chunk_size=C)
+    # `tuned`: the plan that sdm.tune picks for this layout (what a user who calls it gets)
+    tn = sdm.tune(bank, wi, ww, v, beta, ri, rw, cfg) if tuned else None
 
     def fwd():
         return sdm.forward(bank, wi, ww, v, beta, ri, rw, cfg, inplace=True, check_indices=False)
@@ -202,7 +204,11 @@ def bench_sdm(B, T, P, hd, S, W, C, bw, reps=10, tile=None, threads=256, keep=No
     gpu.TILE_WIDTH, gpu.THREADS, gpu.KEEP_ROWS = None, 256, None
     gpu.BWD_THREADS, gpu.BWD_TILE_WIDTH = 512, None
     sdm.check_device_errors()
+    if tuned:
+        gpu.clear_tuning()
     return dict(B=B, T=T, P=P, hd=hd, S=S, W=W, C=C, tile=tile or "auto", threads=threads,
+                halve=None if tn is None else tn.halve,
+                tune_ms=None if tn is None else {str(k): v for k, v in tn.ms.items()},
                 t_prepass_ms=t_pre * 1e3, tile_used=pl.TW, keep=pl.keep,
                 bwd_tile_used=bwd_tw, bwd_threads=bwd_threads,
                 t_fwd_nosnap_ms=t_fwd_ns * 1e3, t_fwd_ms=t_fwd * 1e3, t_fb_ms=t_fb * 1e3,
@@ -372,6 +378,9 @@ def main():
               f"snapshots {r['t_fwd_nosnap_ms']:.3f})  fwd+bwd {r['t_fb_ms']:7.3f} eager, "
               f"{r['g_fb_ms']:7.3f} graph ({r['g_fb_over_floor']:.2f}x)  "
               f"peak {r['peak_mb']:.0f} MB (need {r['need_mb']:.0f})", flush=True)
+        if r.get("halve") is not None:
+            print(f"{'':24s} sdm.tune: halve={r['halve']} (eager fwd+bwd ms by choice: "
+                  f"{r['tune_ms']})", flush=True)
         dump()
 
     run("headline")
@@ -381,6 +390,7 @@ def main():
         fla.update(bench_fla(4, 4096, 8, 128))
         print("FLA chunk_delta_rule B=4 T=4096 H=8 K=V=128 bf16:", fla, flush=True)
         dump()
+    run("headline tuned", tuned=True)   # sdm.tune's plan (stop 28: halving wins on the H200)
     run("headline register gather", stage=0)   # the forward's read rows through registers
     run("headline rows re-read", keep=False)
     run("headline W=8", W=8)

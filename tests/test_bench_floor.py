@@ -72,31 +72,52 @@ def test_plot_draws_both_panels_from_a_saved_run(tmp_path):
     assert sizes["both"] > sizes["floor_only"]              # the second panel widens the figure
 
 
-def test_a_run_cut_after_the_headline_keeps_it_and_the_fla_anchor(tmp_path, monkeypatch):
-    """bench_gpu writes its JSON after every case and measures FLA right after the headline, so
-    a run that a time limit stops later still has both (stop 30). The device work is stubbed:
-    the second case raises, as a timeout would stop it."""
+def _stubbed_bench(monkeypatch, tmp_path, stop_after=None):
+    """bench_gpu with its device work stubbed: bench_sdm records its arguments and returns
+    ones; after `stop_after` cases it raises, as a time limit would stop the run."""
     bench = _bench()
     calls = []
 
     def fake_sdm(**cfg):
         calls.append(cfg)
-        if len(calls) > 1:
+        if stop_after is not None and len(calls) > stop_after:
             raise KeyboardInterrupt("the time limit")
         keys = ("t_fwd_ms", "g_fwd_ms", "g_fwd_over_floor", "t_prepass_ms", "t_fwd_nosnap_ms",
-                "t_fb_ms", "g_fb_ms", "g_fb_over_floor", "peak_mb", "need_mb")
-        return dict.fromkeys(keys, 1.0)
+                "t_fb_ms", "g_fb_ms", "g_fb_over_floor", "peak_mb", "need_mb", "floor_fwd_ms",
+                "floor_fb_ms", "tile_used", "bwd_tile_used")
+        out = dict.fromkeys(keys, 1.0)
+        out["halve"] = True if cfg.get("tuned") else None
+        out["tune_ms"] = {"False": 2.0, "True": 1.0} if cfg.get("tuned") else None
+        return out
 
     monkeypatch.setattr(bench, "bench_sdm", fake_sdm)
     monkeypatch.setattr(bench, "bench_fla", lambda *a, **k: {"g_fwd_ms": 0.3, "g_fb_ms": 1.0})
     monkeypatch.setattr(bench, "copy_bandwidth", lambda: 3e12)
+    monkeypatch.setattr(bench, "plot", lambda *a, **k: None)
     monkeypatch.setattr(bench.cp.cuda.runtime, "getDeviceProperties",
                         lambda i: {"l2CacheSize": 50 << 20, "name": b"stub"})
     monkeypatch.setattr(bench.cp.cuda, "Device", lambda *a: type("D", (), {"id": 0})())
     monkeypatch.setattr("sys.argv", ["bench_gpu.py", "--quick", "--out", str(tmp_path)])
+    return bench, calls
+
+
+def test_a_run_cut_after_the_headline_keeps_it_and_the_fla_anchor(tmp_path, monkeypatch):
+    """bench_gpu writes its JSON after every case and measures FLA right after the headline, so
+    a run that a time limit stops later still has both (stop 30)."""
+    bench, _ = _stubbed_bench(monkeypatch, tmp_path, stop_after=1)
     with pytest.raises(KeyboardInterrupt):
         bench.main()
     out = json.loads((tmp_path / "bench_gpu.json").read_text())
     assert [r["case"] for r in out["rows"]] == ["headline"]
     assert out["fla"] == {"g_fwd_ms": 0.3, "g_fb_ms": 1.0}
     assert out["device"] == "stub"
+
+
+def test_the_quick_run_times_the_plan_that_sdm_tune_picks_second(tmp_path, monkeypatch, capsys):
+    bench, calls = _stubbed_bench(monkeypatch, tmp_path)
+    bench.main()
+    assert not calls[0].get("tuned") and calls[1]["tuned"] is True
+    assert not any(c.get("tuned") for c in calls[2:])
+    out = json.loads((tmp_path / "bench_gpu.json").read_text())
+    assert [r["case"] for r in out["rows"]][:2] == ["headline", "headline tuned"]
+    assert "sdm.tune: halve=True" in capsys.readouterr().out
