@@ -233,18 +233,33 @@ class Function:
             raise EmulatorError(f"{self.name}: {self.lib.sdm_emu_error().decode()}")
 
 
+# CuPy's allocations start 256-byte aligned (its pool rounds them to 512 bytes); malloc's
+# only promise 16 bytes. The launcher picks a kernel's 16-byte paths from its arrays' alignment
+# (a bf16 bank's float32 dM pieces want 32 bytes), so its stand-ins align the same way:
+# otherwise an emulated call took the GPU's path in about half the runs (stop 30).
+CUPY_ALIGN = 256
+
+
+def _device_like(shape, dtype, fill: int):
+    dtype = np.dtype(dtype)
+    shape = (shape,) if np.isscalar(shape) else tuple(shape)
+    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(n + CUPY_ALIGN, np.uint8)
+    at = -raw.ctypes.data % CUPY_ALIGN
+    raw[at:at + n] = fill
+    return raw[at:at + n].view(dtype).reshape(shape)
+
+
 def _poisoned_empty(shape, dtype=float):
     """cupy.empty's stand-in: memory that is not zero (all bits set: NaN for floats, -1 for
     ints), so that a kernel reading what nobody wrote is seen."""
-    a = np.empty(shape, dtype)
-    a.view(np.uint8)[...] = 0xFF
-    return a
+    return _device_like(shape, dtype, 0xFF)
 
 
 def fake_cupy() -> types.ModuleType:
     m = types.ModuleType("cupy")
     m.empty = _poisoned_empty
-    m.zeros = lambda shape, dtype=float: np.zeros(shape, dtype)
+    m.zeros = lambda shape, dtype=float: _device_like(shape, dtype, 0)
     m.asarray = np.asarray
     m.ndarray = np.ndarray
     m.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(deviceSynchronize=lambda: None))

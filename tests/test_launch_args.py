@@ -134,6 +134,14 @@ def _check_launch(rec, fuse_dummies: bool):
         assert a["vecmask"] & 1 and (a["vecmask"] & 8 or not a["save"]), f"{name}: unaligned"
         assert a["keep"] == 1 and a["fuse"] == 0 and int(binding["Q"]) <= 1, name
         assert a["hd"] % N == 0 and a["TW"] % N == 0, f"{name}: partial pieces"
+    if kernel == "sdm_bwd_kernel":
+        # the launcher's own arrays (snapshots, dM, d_values) start 256-byte aligned on a GPU
+        # (CuPy's allocator) and in tests/emu.py's stand-ins: whole pieces, the 16-byte paths
+        # (a bf16 bank's float32 dM pieces want 32 bytes; malloc's 16 took them in half the
+        # runs before stop 30)
+        a = {pname: arg for (_, _, pname), arg in zip(params, args)}
+        if a["hd"] % int(binding["N"]) == 0:
+            assert a["vecmask"] & (8 | 16 | 64) == 8 | 16 | 64, f"{name}: {a['vecmask']:#x}"
     assert 1 <= grid <= 2 ** 31 - 1, f"{name}: grid {grid}"
     assert threads % 32 == 0 and 32 <= threads <= 512, f"{name}: {threads} threads"
     assert 0 <= smem <= H200[1], f"{name}: {smem} bytes of shared memory"
