@@ -5,8 +5,8 @@
 ``--tests``: test files or node ids (default ``tests``); the environment variable ``PYTEST_K``
 becomes pytest's ``-k``. pytest stops after ``PYTEST_TIMEOUT`` seconds (default 300), or at
 ``PYTEST_DEADLINE`` (seconds since the epoch) when that comes first; a run stopped before its
-summary still reports what its progress lines show. Prints a short table last (the benchmark's). Logs go to $OUT (else
-/tmp).
+summary still reports what its progress lines show. Prints a short table last (the
+benchmark's). Logs go to $OUT (else /tmp).
 """
 
 from __future__ import annotations

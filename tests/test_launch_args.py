@@ -126,10 +126,10 @@ def _check_launch(rec, fuse_dummies: bool):
             want = CTYPES[binding.get(ctype, ctype)]
             assert isinstance(arg, np.generic) and arg.dtype == want, \
                 f"{where}: {type(arg).__name__}, the kernel reads {ctype}"
+    a = {pname: arg for (_, _, pname), arg in zip(params, args)}
     if kernel == "sdm_fwd_kernel" and int(binding["RS"]):
         # RS = 1 instances hold the fast path alone and check nothing on the device: the
         # launcher's rule is their only guard (kernels/sdm_fwd.cu)
-        a = {pname: arg for (_, _, pname), arg in zip(params, args)}
         N = int(binding["N"])
         assert a["vecmask"] & 1 and (a["vecmask"] & 8 or not a["save"]), f"{name}: unaligned"
         assert a["keep"] == 1 and a["fuse"] == 0 and int(binding["Q"]) <= 1, name
@@ -139,7 +139,6 @@ def _check_launch(rec, fuse_dummies: bool):
         # (CuPy's allocator) and in tests/emu.py's stand-ins: whole pieces, the 16-byte paths
         # (a bf16 bank's float32 dM pieces want 32 bytes; malloc's 16 took them in half the
         # runs before stop 30)
-        a = {pname: arg for (_, _, pname), arg in zip(params, args)}
         if a["hd"] % int(binding["N"]) == 0:
             assert a["vecmask"] & (8 | 16 | 64) == 8 | 16 | 64, f"{name}: {a['vecmask']:#x}"
     assert 1 <= grid <= 2 ** 31 - 1, f"{name}: grid {grid}"
