@@ -16,7 +16,8 @@ forward's staged, kept and re-read rows, a last 16-byte piece only partly inside
 (hd = 34 in float32), forced narrow tiles, one-token chunks with and without the pre-pass, the
 backward with its exact snapshots staged and unstaged, its 256-thread blocks and one range per
 chunk, quantized snapshots, a 16-bit grad bank, int64 ids, ids outside [0, S) with
-``check_indices=False``, a one-wave bf16 shape at hd = 128, and the batch kernels. Reports
+``check_indices=False``, a one-wave bf16 shape at hd = 128 (also with the backward's chunk
+halved for its dM stage and the forward's sub-chunk snapshots), and the batch kernels. Reports
 are attributed to the case whose marker precedes them (each case ends with a device
 synchronisation); the tool's own error count is in the table beside them.
 """
@@ -73,6 +74,11 @@ CASES = {
     "int64-ids": (dict(SMALL, dtype=np.float32, index_dtype=np.int64), {}, {}, "fb"),
     "bad-ids": (dict(SMALL, dtype=np.float32), {}, {}, "bad-ids"),
     "one-wave-bf16": (dict(B=1, T=130, P=4, hd=128, S=512, W=16, dtype=BF16), {}, {}, "fb"),
+    # the backward's chunk halved for its dM stage (32 tokens), the saving forward keeping its
+    # 64 and writing snapshots at each 32-token sub-chunk (stop 28's paths; sdm.tune's choice at
+    # the headline on an H200)
+    "one-wave-bf16-halved": (dict(B=1, T=130, P=4, hd=128, S=512, W=16, dtype=BF16), {},
+                             {"BWD_DM_HALVE": True}, "fb"),
     "batch-kernels": (dict(SMALL, dtype=np.float32), {}, {}, "batch"),
 }
 TOL = {"float64": 1e-9, "float32": 1e-4}   # 16-bit banks: 2e-2
