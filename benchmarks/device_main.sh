@@ -16,8 +16,8 @@ cd "$(dirname "$0")/.."
 T0=$(date +%s)
 STEPS=${STEPS:-suite bench}
 left() { echo $(( ${BUDGET:-580} - ($(date +%s) - T0) )); }
-# the card and its clocks and power cap: stop 30's H200 ran the compute-bound pre-pass 25%
-# slower than an H100 (0.166 against 0.133 ms), at the same SM count and maximum clock
+# the card and its clocks and power cap (stop 30's H200 ran the pre-pass in 0.166 ms, stop 31's
+# in 0.130-0.144: timings vary between leases of the same kind)
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.limit,temperature.gpu \
     --format=csv,noheader
 # the carried wheels (FLA for the benchmarks) when there, and the checkout itself

@@ -273,8 +273,7 @@ def main() -> int:
     t0 = time.time()
     if not args.no_warm:   # inside --timeout, like everything else
         try:
-            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-            import gpu_check
+            import gpu_check   # beside this script (sys.path[0])
             gpu_check.warm(["prepass", "batch", "fwd", "bwd"])
         except Exception as exc:  # noqa: BLE001 (the reference pass compiles what it needs)
             print(f"warm-up failed ({type(exc).__name__}: {exc}); going on", flush=True)

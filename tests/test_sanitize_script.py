@@ -50,20 +50,17 @@ def test_halved_case_plans_the_dm_stage_at_half_chunk_and_sub_chunk_snapshots(mo
     """The case named for the halved backward takes that path on an H200's limits: the
     backward at 32 tokens with its dM stage, the saving forward at 64 with 32-token sub-chunk
     snapshots; without its knob the same shape takes neither (so the case adds coverage)."""
-    from sdm_cupy._validate import Layout
-    from sdm_cupy.kernels import _build as K
+    import emu
+    from sdm_cupy._validate import layout
 
     san = _script()
     pkw, ckw, knobs, _ = san.CASES["one-wave-bf16-halved"]
-    lay = Layout(B=pkw["B"], T=pkw["T"], P=pkw["P"], hd=pkw["hd"], S=pkw["S"], W=pkw["W"], C=64,
-                 bank_dtype=K.BFLOAT16, value_dtype=K.BFLOAT16,
-                 compute_dtype=np.dtype(np.float32), grad_bank_dtype=np.dtype(np.float32),
-                 index_dtype=np.dtype(np.int32))
-    cfg = sdm.SDMConfig(num_memory_slots=lay.S, num_parallel=lay.P, chunk_size=64)
-    h200 = (132, 232448, "90")
+    pb = san._problem(pkw)
+    cfg = sdm.SDMConfig(num_memory_slots=pb.S, num_parallel=pb.P, **{"chunk_size": 64, **ckw})
+    lay = layout(pb.bank, *pb.inputs, cfg)
     for on in (False, True):
         monkeypatch.setattr(gpu, "BWD_DM_HALVE", bool(knobs["BWD_DM_HALVE"]) if on else False)
-        bwd = gpu.plan(lay, cfg, limits=h200, backward=True)
-        saving = gpu.plan(lay, cfg, limits=h200, saves=True)
+        bwd = gpu.plan(lay, cfg, limits=emu.H200, backward=True)
+        saving = gpu.plan(lay, cfg, limits=emu.H200, saves=True)
         got = (bwd.C, bwd.smem_bwd_dm > 0, saving.C, saving.sub)
         assert got == ((32, True, 64, 32) if on else (64, False, 64, 0)), (on, got)
