@@ -10,8 +10,10 @@ kernel writes.
     python benchmarks/sass_loads.py bwd "sdm::sdm_bwd_kernel<__nv_bfloat16,__nv_bfloat16,float,float,int,0,8>"
     python benchmarks/sass_loads.py fwd "sdm::sdm_fwd_kernel<__nv_bfloat16,__nv_bfloat16,float,int,0,8>"
 
-``cuobjdump`` comes with the CUDA toolkit, or from Triton's wheel (``pip download --no-deps
-triton`` and unzip ``triton/backends/nvidia/bin/cuobjdump``); pass it as ``--cuobjdump PATH``.
+``cuobjdump`` comes with the CUDA toolkit, or with NVIDIA's wheels (``pip install -e
+".[sass]"``: ``nvidia-cuda-cuobjdump`` and ``nvidia-cuda-nvdisasm``, which it calls; without
+nvdisasm beside it, it prints no instructions), found there by default; else pass it as
+``--cuobjdump PATH``. ``--dump FILE`` also writes the whole listing.
 """
 
 from __future__ import annotations
@@ -66,19 +68,37 @@ def load_report(ins):
     return out
 
 
+def find_cuobjdump() -> str:
+    """cuobjdump from NVIDIA's wheels (the ``sass`` extra) when installed, else the PATH's."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        for cu in ("cu13", "cu12"):
+            exe = os.path.join(root, cu, "bin", "cuobjdump")
+            if os.path.isfile(exe) and os.path.isfile(os.path.join(root, cu, "bin", "nvdisasm")):
+                return exe
+    return "cuobjdump"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("src", choices=sorted(K.SOURCES))
     ap.add_argument("name", help="a name expression, as kernels/_build.py writes them")
-    ap.add_argument("--cuobjdump", default="cuobjdump")
+    ap.add_argument("--cuobjdump", default=None, help="default: find_cuobjdump()")
     ap.add_argument("--all", action="store_true", help="list every load, not only 16-byte ones")
+    ap.add_argument("--dump", metavar="FILE", help="also write the whole SASS listing there")
     args = ap.parse_args()
+    args.cuobjdump = args.cuobjdump or find_cuobjdump()
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cubin")
         with open(path, "wb") as f:
             f.write(cubin(args.src, args.name))
         sass = subprocess.run([args.cuobjdump, "-sass", path], check=True, capture_output=True,
                               text=True).stdout
+    if args.dump:
+        with open(args.dump, "w") as f:
+            f.write(sass)
     rows = load_report(instructions(sass))
     hist = collections.Counter(n for _, op, n, why in rows if ".128" in op)
     for addr, op, n, why in rows:
