@@ -69,16 +69,13 @@ def load_report(ins):
 
 
 def find_cuobjdump() -> str:
-    """cuobjdump from NVIDIA's wheels (the ``sass`` extra) when installed, else the PATH's."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("nvidia")
-    for root in (spec.submodule_search_locations or []) if spec else []:
-        for cu in ("cu13", "cu12"):
-            exe = os.path.join(root, cu, "bin", "cuobjdump")
-            if os.path.isfile(exe) and os.path.isfile(os.path.join(root, cu, "bin", "nvdisasm")):
-                return exe
-    return "cuobjdump"
+    """cuobjdump as cuda.pathfinder finds it (NVIDIA's wheels first: the ``sass`` extra), else
+    the PATH's."""
+    try:
+        from cuda import pathfinder
+        return pathfinder.find_nvidia_binary_utility("cuobjdump") or "cuobjdump"
+    except Exception:  # noqa: BLE001 - pathfinder missing or too old: the PATH's
+        return "cuobjdump"
 
 
 def main():
