@@ -135,8 +135,16 @@ def bwd_name(bank, vk, gt, idx, q: int, ds: int = 0) -> str:
             f"{vec_width(bank)}{',1' if ds else ''}>")
 
 
-def prepass_name(acc, idx, sparse: int) -> str:
-    return f"sdm::sdm_prepass_kernel<{_t(acc)},{_t(idx)},{int(sparse)}>"
+# the largest S whose slot ids fit the pre-pass's 32-bit sort keys (kernels/sdm_prepass.cu's
+# KEY32_MAX_S: 2^(32 - QBITS) - 1); above it the launcher takes the 64-bit-key instances
+KEY32_MAX_S = (1 << (32 - 14)) - 1
+
+
+def prepass_name(acc, idx, sparse: int, S: int = 0) -> str:
+    """The pre-pass instance for ``sparse`` (1 the forward's form, 2 the backward's) and S slots:
+    32-bit sort keys while S <= KEY32_MAX_S, else 64-bit."""
+    k64 = ",1" if S > KEY32_MAX_S else ""
+    return f"sdm::sdm_prepass_kernel<{_t(acc)},{_t(idx)},{int(sparse)}{k64}>"
 
 
 def batch_names(bank) -> tuple:
@@ -151,7 +159,7 @@ def _value_kinds(bank):
 def _names(src: str, key: tuple) -> list:
     if src == "prepass":
         acc, idx = key
-        return [prepass_name(acc, idx, 1), prepass_name(acc, idx, 2)]
+        return [prepass_name(acc, idx, sp, S) for sp in (1, 2) for S in (0, KEY32_MAX_S + 1)]
     if src == "batch":
         (bank,) = key
         return list(batch_names(bank))

@@ -589,7 +589,7 @@ def _prepass_sparse(lay, pl, acc, wi, aw, ri, cw, beta):
     col = cupy.empty((nchunk, pl.CS), dtype=np.uint8)
     val = cupy.empty((nchunk, pl.C * pl.C), dtype=acc)
     key = (acc, lay.index_dtype)
-    _launch("prepass", key, K.prepass_name(acc, lay.index_dtype, 1), nchunk, pl.smem_pre,
+    _launch("prepass", key, K.prepass_name(acc, lay.index_dtype, 1, lay.S), nchunk, pl.smem_pre,
             (wi, aw, ri, cw, beta, np.int32(lay.T), np.int32(lay.P), np.int32(lay.W),
              np.int64(lay.S), np.int32(pl.C), np.int32(0), np.int32(pl.Nt),
              val, wrun, ptr, col, np.int32(pl.CS), _err_array()), PREPASS_THREADS)
@@ -714,7 +714,7 @@ def sdm_bwd(lay: Layout, config, bank, inputs, snapshots, dr, dM):
     dmst = ssnap and pl.smem_bwd_dm > 0
     key = (lay.bank_dtype, vk, lay.index_dtype)
     pkey = (acc, lay.index_dtype)
-    pre_name = K.prepass_name(acc, lay.index_dtype, 2)
+    pre_name = K.prepass_name(acc, lay.index_dtype, 2, lay.S)
     bwd_name = K.bwd_name(lay.bank_dtype, vk, gt, lay.index_dtype, q, int(dmst))
     for hi in range(pl.Nt, 0, -pl.seg):   # ranges of chunks, the last first
         lo = max(0, hi - pl.seg)

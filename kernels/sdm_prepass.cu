@@ -657,24 +657,40 @@ __host__ __device__ constexpr int prepass_blocks(int sparse) {
 #endif
 }
 
-template <typename A, typename I, int SPARSE>
+// K64: the instance for 64-bit sort keys (S > KEY32_MAX_S); the launcher picks it by S. One
+// body per instance: both bodies in each instance, chosen by S at run time, took registers and
+// spilled (NVRTC sm_90, float32: the forward's form 5,112 instructions with 16/28 bytes of
+// spill stores/loads, the backward's 6,304 with 4/16; one body: 2,176 and 3,680, no spills).
+// The 32-bit instance stops the grid (__trap) if it is ever given a larger S: its keys would
+// wrap. -DSDM_PREPASS_BOTH_BODIES compiles the earlier form back (benchmarks), and
+// -DSDM_PREPASS_KEY64 gives every instance 64-bit keys.
+template <typename A, typename I, int SPARSE, int K64 = 0>
 __global__ void __launch_bounds__(512, prepass_blocks(SPARSE))
 sdm_prepass_kernel(const I* __restrict__ wi, const A* __restrict__ aw, const I* __restrict__ ri,
                    const A* __restrict__ cw, const A* __restrict__ beta,
                    int T, int P, int W, long long S, int C, int n0, int nseg,
                    A* __restrict__ sp_val, int* __restrict__ srt_g, int* __restrict__ sp_ptr,
                    unsigned char* __restrict__ sp_col, int CS, int* err) {
-#ifdef SDM_PREPASS_KEY64   // benchmarks: 64-bit keys whatever S is, for comparison
-  constexpr bool key32 = false;
+#if defined(SDM_PREPASS_KEY64)
+  constexpr bool k64 = true;
 #else
-  constexpr bool key32 = true;
+  constexpr bool k64 = K64 != 0;
 #endif
-  if (key32 && S <= KEY32_MAX_S)
-    prepass_body<A, I, SPARSE, unsigned>(wi, aw, ri, cw, beta, T, P, W, S, C, n0, nseg, sp_val,
-                                         srt_g, sp_ptr, sp_col, CS, err);
-  else
-    prepass_body<A, I, SPARSE, unsigned long long>(wi, aw, ri, cw, beta, T, P, W, S, C, n0,
-                                                   nseg, sp_val, srt_g, sp_ptr, sp_col, CS, err);
+  auto body = [&](auto key) {   // the body for key type decltype(key)
+    prepass_body<A, I, SPARSE, decltype(key)>(wi, aw, ri, cw, beta, T, P, W, S, C, n0, nseg,
+                                              sp_val, srt_g, sp_ptr, sp_col, CS, err);
+  };
+#ifdef SDM_PREPASS_BOTH_BODIES
+  if (!k64 && S <= KEY32_MAX_S) body(0u);
+  else body(0ull);
+#else
+  if constexpr (k64) {
+    body(0ull);
+  } else {
+    if (S > KEY32_MAX_S) __trap();
+    body(0u);
+  }
+#endif
 }
 
 }  // namespace sdm

@@ -172,6 +172,30 @@ def test_kernels_match_reference(rng, emulated, case):
     assert err[0] == 0, f"error word {err[0]} with valid ids"
 
 
+@pytest.mark.parametrize("S", [262143, 263144], ids=["32bit-keys", "64bit-keys"])
+def test_prepass_key_widths_match_reference(rng, emulated, S):
+    """The pre-pass instance with 32-bit sort keys (S <= 262143) and the one with 64-bit keys
+    (above), on slots next to the limit repeated within and across tokens (the pool also holds
+    262143 and 262144 where S allows: the first slots whose keys need more than 32 bits)."""
+    knobs, err = emulated
+    pb = make_problem(rng, B=1, T=40, P=2, hd=4, S=S, W=4)
+    pool = np.array([S - 1, S - 2, 262142, 131072, 5] + ([262143, 262144] if S > 262144 else []))
+    pb.write_idx[...] = rng.choice(pool, size=pb.write_idx.shape)
+    pb.read_idx[...] = rng.choice(pool, size=pb.read_idx.shape)
+    pb.beta[...] = pb.beta / pb.W   # repeated slots add up in |k|^2
+    dr = rng.normal(size=pb.values.shape)
+    dM = rng.normal(size=pb.bank.shape)
+    r, fin, g, rewound = _run(pb, _cfg(pb, 16), dr, dM)
+    r_ref, fin_ref = reference_fwd(pb)
+    ftol, gtol = TOL[pb.bank.dtype]
+    assert_close(r, r_ref, ftol, "readings")
+    assert_close(fin, fin_ref, ftol, "final bank")
+    for name, got, want in zip(GRADS, g, reference_bwd(pb, dr, dM)):
+        assert_close(got, want, gtol, f"grad {name}")
+    assert np.array_equal(rewound.view(np.uint8), pb.bank.view(np.uint8)), "rewound bank"
+    assert err[0] == 0, f"error word {err[0]} with valid ids"
+
+
 QUANT = {"f32-bf16": (np.float32, "bf16"), "f32-fp8": (np.float32, "fp8_e4m3"),
          "f32-int8": (np.float32, "int8"), "bf16-fp8": (BF16, "fp8_e4m3"),
          "bf16-int8-hd20": (BF16, "int8")}

@@ -134,6 +134,9 @@ def _check_launch(rec, fuse_dummies: bool):
         assert a["vecmask"] & 1 and (a["vecmask"] & 8 or not a["save"]), f"{name}: unaligned"
         assert a["keep"] == 1 and a["fuse"] == 0 and int(binding["Q"]) <= 1, name
         assert a["hd"] % N == 0 and a["TW"] % N == 0, f"{name}: partial pieces"
+    if kernel == "sdm_prepass_kernel":
+        # 32-bit sort keys only while the slot ids fit them (the 32-bit instance traps above)
+        assert int(binding["K64"]) == int(a["S"] > K.KEY32_MAX_S), f"{name}: S = {a['S']}"
     if kernel == "sdm_bwd_kernel":
         # the launcher's own arrays (snapshots, dM, d_values) start 256-byte aligned on a GPU
         # (CuPy's allocator) and in tests/emu.py's stand-ins: whole pieces, the 16-byte paths
@@ -191,6 +194,8 @@ CASES = {   # name: (make_problem arguments, SDMConfig arguments, gpu knobs)
     "grad-bank-bf16": (dict(SMALL, dtype=BFLOAT16), {"grad_bank_fp32": False}, {}),
     "bwd-256": (dict(SMALL, dtype=np.float32), {}, {"BWD_THREADS": 256}),
     "headline-bf16": (dict(B=4, T=128, P=8, hd=128, S=1024, W=16, dtype=BFLOAT16), {}, {}),
+    # the pre-pass's 64-bit sort keys (S above K.KEY32_MAX_S)
+    "S-key64": (dict(B=1, T=20, P=1, hd=8, S=K.KEY32_MAX_S + 1, W=4, dtype=np.float32), {}, {}),
 }
 
 
@@ -232,6 +237,8 @@ def test_every_launch_matches_its_kernels_signature(recorded, monkeypatch, case)
         assert not any(staged), recorded
     elif case == "bf16-staged":   # the fast path where it holds (else this test checks nothing)
         assert any(staged), recorded
+    k64 = {_instance(n)[1]["K64"] == "1" for src, _, n, *_ in recorded if src == "prepass"}
+    assert k64 == {case == "S-key64"}, k64
 
 
 def test_batch_launches_match_their_kernels_signature(recorded):

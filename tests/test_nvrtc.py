@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import multiprocessing
 import os
+import re
 
 import pytest
 
@@ -62,7 +63,17 @@ def test_every_instance_is_listed():
     dms = [n for n in specs["bwd"][2] if n.endswith(",1>")]
     assert len(specs["bwd"][2]) - len(dms) == 84 and len(dms) == 26
     assert all(n.split(",")[5] == "0" for n in dms)   # Q == 0
-    assert len(specs["prepass"][2]) == 8   # the forward's and the backward's forms
+    # the forward's and the backward's forms, each with 32-bit and with 64-bit sort keys
+    assert len(specs["prepass"][2]) == 16
+    assert sum(n.count(",") == 3 and n.endswith(",1>") for n in specs["prepass"][2]) == 8
+
+
+def test_prepass_key_limit_matches_the_kernel():
+    """The launcher's KEY32_MAX_S (which instance it takes) is the kernel's: 2^(32 - QBITS) - 1."""
+    text = _build.source("prepass")
+    qbits = int(re.search(r"constexpr int QBITS = (\d+);", text).group(1))
+    assert "KEY32_MAX_S = (1ll << (32 - QBITS)) - 1;" in text
+    assert _build.KEY32_MAX_S == (1 << (32 - qbits)) - 1 == 262143
 
 
 def test_headers_are_found():
@@ -113,11 +124,13 @@ def test_forward_cluster_experiment_compiles_for_sm90():
     assert "warning" not in log.lower(), log[:3000]
 
 
-@pytest.mark.parametrize("macro", ["-DSDM_PREPASS_KEY64", "-DSDM_PREPASS_SORT_WRITES"])
+@pytest.mark.parametrize("macro", ["-DSDM_PREPASS_KEY64", "-DSDM_PREPASS_SORT_WRITES",
+                                   "-DSDM_PREPASS_BOTH_BODIES"])
 def test_prepass_variants_compile_for_sm90(macro):
     """-DSDM_PREPASS_KEY64 (the pre-pass sorts 64-bit keys whatever S is) and
-    -DSDM_PREPASS_SORT_WRITES (both forms sort their slots instead of hashing them); the
-    bitwise compile-time-variant GPU test compares both with the default."""
+    -DSDM_PREPASS_SORT_WRITES (both forms sort their slots instead of hashing them) and
+    -DSDM_PREPASS_BOTH_BODIES (each instance holds both key widths' bodies, the form before
+    stop 32); the bitwise compile-time-variant GPU test compares them with the default."""
     for key in _build.module_keys("prepass"):
         names = _build._names("prepass", key)
         log, lowered, cubin = _build.nvrtc_compile(
