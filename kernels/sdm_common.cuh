@@ -166,6 +166,22 @@ __device__ __forceinline__ bool valid_id(I id, long long S) {
   return (long long)id >= 0 && (long long)id < S;
 }
 
+// valid_id by one unsigned compare, its bound computed once: an int id is valid below
+// min(S, 2^31) (a negative one reads as 2^31 or more), a long long id below S.
+template <typename I> struct IdCheck;
+template <> struct IdCheck<int> {
+  unsigned lim;
+  __device__ explicit IdCheck(long long S) : lim((unsigned)max(0ll, min(S, 0x80000000ll))) {}
+  __device__ __forceinline__ bool operator()(int id) const { return (unsigned)id < lim; }
+};
+template <> struct IdCheck<long long> {
+  unsigned long long lim;
+  __device__ explicit IdCheck(long long S) : lim((unsigned long long)max(0ll, S)) {}
+  __device__ __forceinline__ bool operator()(long long id) const {
+    return (unsigned long long)id < lim;
+  }
+};
+
 // Records a rule violation in the host-mapped error word (a plain store: idempotent, needs no
 // system-scope atomics, and costs nothing unless an id is bad).
 __device__ __forceinline__ void flag_error(volatile int* err, int code) {
@@ -259,6 +275,29 @@ __device__ __forceinline__ void load_row(T (&out)[N], const T* __restrict__ p) {
   u.q = ld_row16(p);
 #pragma unroll
   for (int i = 0; i < N; ++i) out[i] = u.v[i];
+}
+
+// A 16-byte piece of N elements of type T, given as its words, in the accumulation type. A
+// bfloat16 is the upper half of its float32: two shifts or masks per word instead of the
+// unpacking and conversion of each element (the same bits).
+template <typename T> struct IsBf16 { static constexpr bool v = false; };
+template <> struct IsBf16<__nv_bfloat16> { static constexpr bool v = true; };
+template <int N, typename T, typename A>
+__device__ __forceinline__ void piece_acc(A (&out)[N], int4 q) {
+  static_assert(sizeof(T) * N == 16, "a row piece is 16 bytes");
+  if constexpr (IsBf16<T>::v && sizeof(A) == 4) {
+    const unsigned w[4] = {(unsigned)q.x, (unsigned)q.y, (unsigned)q.z, (unsigned)q.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      out[2 * k] = __uint_as_float(w[k] << 16);
+      out[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+    }
+  } else {
+    union { int4 q; T v[N]; } u;
+    u.q = q;
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = to_acc(u.v[i], A());
+  }
 }
 
 // cp.async of 16 bytes of a gathered global row into shared memory (L2 only), with the hint

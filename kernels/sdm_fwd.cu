@@ -34,6 +34,12 @@ constexpr int SB = 4;        // scatter tasks per thread whose loads are in flig
 #define SDM_FWD_GU 2
 #endif
 constexpr int GU = SDM_FWD_GU;  // entries per step of the gather's fast path
+// entries per step of the staged X/Y loop (1: rolled; stop 33, NVRTC sm_90: the headline
+// instance 4,424 instructions rolled, 4,648 as the compiler unrolled it; benchmarks may
+// override it)
+#ifndef SDM_FWD_XY_UNROLL
+#define SDM_FWD_XY_UNROLL 1
+#endif
 constexpr int GR = 4;           // read rows per step when the write rows go through cp.async
 constexpr int E_STAGE = 512; // CSR entries of a chunk staged in shared memory (more: read from L2)
 constexpr int W_HEAD = 1 << 16, W_BAD = 1 << 17, W_NEXT = 0xFFFF;
@@ -120,6 +126,10 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
   // A device-side check of those conditions (__trap) let the compiler specialize further and
   // cost half of that gain (1.034 ms), so the launcher's rule is the only guard.
   constexpr bool FIX = RS != 0;
+  // ... and kept rows without the one-token fusion: tests/test_launch_args.py asserts keep = 1
+  // and fuse = 0 for every RS = 1 launch, so these instances take both as compile-time facts
+  // (the scatter that re-reads its rows and the fused link search are not compiled there)
+  const bool kept = FIX || keep, fused = !FIX && fuse;
 #ifdef SDM_FWD_GENERAL_GATHER   // benchmarks: the general path only, for comparison
   const bool fast = false;
 #else
@@ -128,13 +138,13 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
 #ifdef SDM_FWD_REG_GATHER   // benchmarks: write rows through registers too, for comparison
   const bool rowcp = false;
 #else
-  const bool rowcp = FIX ? fast : fast && keep && Q <= 1;
+  const bool rowcp = FIX ? fast : fast && kept && Q <= 1;
 #endif
   const bool rstage = RS && rowcp;
 #ifdef SDM_FWD_CLUSTER
   constexpr int CL = SDM_FWD_CLUSTER;
   if (CB > 0) __trap();   // its kept rows are whole rows: the sub-chunk pass reads tiles
-  if (!(rowcp && !fuse && ntile == CL && TW * CL == hd && C % CL == 0 &&
+  if (!(rowcp && !fused && ntile == CL && TW * CL == hd && C % CL == 0 &&
         (int)cluster_rank() == tile))
     __trap();
 #endif
@@ -172,7 +182,7 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
     cp_rows_pow2(g.aw, aw + tokb * W, L, W, (long long)P * W);
     cp_rows_pow2(g.cw, cw + tokb * W, L, W, (long long)P * W);
     for (int j = threadIdx.x; j < L; j += blockDim.x) cp_elem(g.beta + j, beta + tokb + (long long)j * P);
-    if (!fuse) {
+    if (!fused) {
       cp_rows_pow2(g.wrun, wrun_g + chunk * C * W, 1, Ne, 0);
       cp_rows_pow2(g.ptr, sp_ptr + chunk * (2 * C + 1), 1, 2 * C + 1, 0);
       cp_rows_pow2(g.ev, sp_val + chunk * C * C, 1, E_cap, 0);
@@ -213,7 +223,7 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
     if (Q > 1)
       for (int i = threadIdx.x; i < Ne; i += blockDim.x) amax_s[i] = 0.f;
     __syncthreads();
-    if (fuse) {
+    if (fused) {
       // C == 1 (decoding): the one token's write-run links and H[0][0] = q . k, found here
       // instead of by a pre-pass launch (W <= 64: W^2 comparisons). No G: Ainv = I.
       for (int e = threadIdx.x; e < W; e += blockDim.x) {
@@ -434,35 +444,55 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
       }
       cp_wait<0>();
       __syncthreads();
+      // X (and with staged reads Y) from the rows in shared memory, entries w = ws, ws + WS,
+      // ... as the register gather sums them. A bad id's row and weight are zeroed as words
+      // instead of skipped: x + 0 * 0 = x, as x is never -0 (it starts at +0 and an exact zero
+      // sum rounds to +0), so the same bits; its snapshot is the zero row, as before. The
+      // entries' rows, weights, ids and snapshot pieces are walked by pointers.
+      const IdCheck<I> idok(S);
       for (int base = 0; base < total; base += blockDim.x) {
         const int task = base + threadIdx.x, ws = task % WS, tp = task / WS;
         const bool act = task < total;
         const int t = tp / NPC, cc = (tp % NPC) * N;
-        const long long tok = tokb + (long long)t * P;
         A x[N], y[N];
 #pragma unroll
         for (int i = 0; i < N; ++i) { x[i] = A(0); y[i] = A(0); }
         if (act) {
-          for (int w = ws; w < W; w += WS) {
-            const int e = t * W + w;
-            const bool ok = valid_id(g.wid[e], S);
-            const A a = g.aw[e];
-            T m[N];
-            load_raw<N>(m, keep_s + (long long)e * TWP + cc, N, true);
+          const int e0 = t * W + ws, ne = (W - ws + WS - 1) / WS;
+          const int4* kp = reinterpret_cast<const int4*>(keep_s + (long long)e0 * TWP + cc);
+          const int4* rp = reinterpret_cast<const int4*>(rkeep_s + (long long)e0 * TWP + cc);
+          const int kstep = WS * TWP / N;   // in pieces
+          ST* sq = snap + ((tokb + (long long)t * P) * W + ws) * hd + c0 + cc;
+          const long long sstep = (long long)WS * hd;
+          const I* wp = g.wid + e0;
+          const I* rq = g.rid + e0;
+          const A* ap = g.aw + e0;
+          const A* cp = g.cw + e0;
+#pragma unroll SDM_FWD_XY_UNROLL
+          for (int k = 0; k < ne; ++k) {
+            const bool ok = idok(*wp);
+            const int4 z = make_int4(0, 0, 0, 0);
+            const int4 mw = ok ? *kp : z;
+            const A a = ok ? *ap : A(0);
+            A m[N];
+            piece_acc<N, T>(m, mw);
 #pragma unroll
-            for (int i = 0; i < N; ++i) {
-              m[i] = ok ? m[i] : From<T>::cvt(0.0f);
-              x[i] = ok ? fma_(a, to_acc(m[i], A()), x[i]) : x[i];
+            for (int i = 0; i < N; ++i) x[i] = fma_(a, m[i], x[i]);
+            if (save) {
+              if constexpr (Q == 0) *reinterpret_cast<int4*>(sq) = mw;
+              else if constexpr (Q == 1) store_piece<N>(sq, m, N, true);
             }
-            if (save) save_piece<Q, A>(snap + (tok * W + w) * hd + c0 + cc, m, N, true);
-            if (rstage) {   // Y's terms in the register gather's order: w = ws, ws + WS, ...
-              const bool okr = valid_id(g.rid[e], S);
-              const A c = g.cw[e];
-              T mr[N];
-              load_raw<N>(mr, rkeep_s + (long long)e * TWP + cc, N, true);
+            if (rstage) {
+              const bool okr = idok(*rq);
+              const int4 rw = okr ? *rp : z;
+              const A c = okr ? *cp : A(0);
+              A mr[N];
+              piece_acc<N, T>(mr, rw);
 #pragma unroll
-              for (int i = 0; i < N; ++i) y[i] = okr ? fma_(c, to_acc(mr[i], A()), y[i]) : y[i];
+              for (int i = 0; i < N; ++i) y[i] = fma_(c, mr[i], y[i]);
             }
+            kp += kstep; rp += kstep; sq += sstep;
+            wp += WS; rq += WS; ap += WS; cp += WS;
           }
         }
         for (int o = 1; o < WS; o <<= 1) {
@@ -502,7 +532,7 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
             x[i] = ok ? fma_(a, to_acc(m[i], A()), x[i]) : x[i];
             y[i] = okr ? fma_(c, to_acc(mr[i], A()), y[i]) : y[i];
           }
-          if (keep && (g.wrun[e] & (W_HEAD | W_BAD)) == W_HEAD)
+          if (kept && (g.wrun[e] & (W_HEAD | W_BAD)) == W_HEAD)
             store_raw<N>(keep_s + (long long)e * TWP + cc, m, N, true);
           if (save) {
             if constexpr (Q <= 1) {
@@ -637,7 +667,7 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
     __syncthreads();
     // readings r = Y + H u
     for (int task = threadIdx.x; task < L * NPC; task += blockDim.x) {
-      const int t = task / NPC, cc = (task % NPC) * N, nv = min(N, tw - cc);
+      const int t = task / NPC, cc = (task % NPC) * N, nv = FIX ? N : min(N, tw - cc);
       A r[N];
 #ifdef SDM_FWD_CLUSTER
       ld_dsmem_piece<N>(r, dsmem_addr(Y_s + (t / CL) * hd + c0 + cc, t % CL));
@@ -681,7 +711,7 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
           const int cc = (task - e * NPC) * N, nv = FIX ? N : min(N, tw - cc), hs = divW.div(e) >> CB;
           const bool vec = FIX || vs;
           T raw[N];
-          if (FIX || keep) load_raw<N>(raw, keep_s + (long long)e * TWP + cc, N, true);
+          if (kept) load_raw<N>(raw, keep_s + (long long)e * TWP + cc, N, true);
           else load_raw<N>(raw, bank_b + (long long)g.wid[e] * D + cc, nv, vb);
           A m[N];
 #pragma unroll
@@ -752,7 +782,7 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
         q = nx - 1;
       }
     };
-    if (keep) {
+    if (kept) {
       for (int task = threadIdx.x; task < Ne * NPC; task += blockDim.x) {
         const int e = divNPC.div(task);
         if ((g.wrun[e] & (W_HEAD | W_BAD)) != W_HEAD) continue;
@@ -771,7 +801,8 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
 #pragma unroll
         for (int i = 0; i < N; ++i) m[i] = to_acc(kr[i], A());
         add_run(m, e, cc);
-        store_piece<N>(bank_b + (long long)g.wid[e] * D + cc, m, min(N, tw - cc), vb);
+        store_piece<N>(bank_b + (long long)g.wid[e] * D + cc, m, FIX ? N : min(N, tw - cc),
+                       FIX || vb);
       }
     } else {
       for (int base = threadIdx.x; base < Ne * NPC; base += SB * blockDim.x) {

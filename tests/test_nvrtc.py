@@ -157,8 +157,9 @@ def test_owner_ceiling_skeleton_compiles_for_sm90(case):
 def test_staged_forward_instance_holds_its_fast_path_alone():
     """The forward's RS = 1 instances compile only the fast path (kernels/sdm_fwd.cu's FIX):
     at the headline's key the staged instance is far smaller than the RS = 0 one that keeps
-    every path, and spills at most 8 bytes each way (stop 19: 6,808 against 8,824
-    instructions, 4/4 bytes; the smaller code ran 5.9% faster). benchmarks/code_size.py
+    every path, and does not spill (stop 19: 6,808 against 8,824 instructions, 4/4 bytes;
+    the smaller code ran 5.9% faster; stop 33, with kept rows and no fusion as compile-time
+    facts there and the X/Y loop on words and pointers: 4,424, 0/0). benchmarks/code_size.py
     reads the instructions from the cubin and the spills from ptxas -v."""
     import ml_dtypes
     import numpy as np
@@ -168,5 +169,5 @@ def test_staged_forward_instance_holds_its_fast_path_alone():
     got = mod.sizes("fwd", _build.source("fwd"), _build.options(), names)
     (n0, r0, _, _), (n1, r1, st1, ld1) = got[names[0]], got[names[1]]
     assert n0 > 1000 and 0 < r0 <= 128 and 0 < r1 <= 128, got
-    assert n1 < 0.85 * n0, got
-    assert st1 <= 8 and ld1 <= 8, got
+    assert n1 < 0.6 * n0, got
+    assert st1 == 0 and ld1 == 0, got

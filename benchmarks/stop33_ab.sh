@@ -1,0 +1,46 @@
+#!/bin/bash
+# Stop 33's device call: the kernels' code-size changes against their earlier forms, as
+# interleaved CUDA-graph replays in one process (benchmarks/fwd_ab.py, each variant checked
+# bitwise against the first), then the sanitizer with the time left.
+#   prepass  one body per key width (kernels/sdm_prepass.cu) against both bodies in every
+#            instance (-DSDM_PREPASS_BOTH_BODIES, the form before stop 33); forward at W = 16,
+#            then forward+backward
+#   fwd      the staged forward (kernels/sdm_fwd.cu; u2: its X/Y loop unrolled by 2) against
+#            main's before stop 33 ($FWD_BASE, default .pre/sdm_fwd_main.cu, ignored: `git show
+#            15ff73f:kernels/sdm_fwd.cu > .pre/sdm_fwd_main.cu`, carried to the device), at
+#            W = 16 and W = 8, then forward+backward
+# STEPS picks them (default "prepass fwd sanitize"). Run from the repository root:
+#   bash benchmarks/stop33_ab.sh
+set -u
+cd "$(dirname "$0")/.."
+T0=$(date +%s)
+BUDGET=${BUDGET:-570}
+left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.limit --format=csv,noheader
+python3 -m pip install -q --no-deps --no-build-isolation $(ls .whl/*.whl 2>/dev/null) -e . \
+    > ${OUT:-/tmp}/pip.log 2>&1 || { echo "pip install failed:"; tail -5 ${OUT:-/tmp}/pip.log; }
+cd benchmarks
+ab() { echo "== $* (elapsed $(( $(date +%s) - T0 )) s)"
+       timeout 150 python3 fwd_ab.py "$@" 2>&1 | grep -E "^\| [a-z]|bitwise|Error|error|forward"; }
+P=../kernels/sdm_prepass.cu
+F=../kernels/sdm_fwd.cu
+FB=${FWD_BASE:-../.pre/sdm_fwd_main.cu}
+for step in ${STEPS:-prepass fwd sanitize}; do
+  case $step in
+    prepass)
+      ab one=$P both=$P:-DSDM_PREPASS_BOTH_BODIES one2=$P both2=$P:-DSDM_PREPASS_BOTH_BODIES \
+         --source prepass --W 16 --graph --check --reps 20
+      ab one=$P both=$P:-DSDM_PREPASS_BOTH_BODIES one2=$P both2=$P:-DSDM_PREPASS_BOTH_BODIES \
+         --source prepass --backward --graph --check --reps 12 ;;
+    fwd)
+      ab main=$FB new=$F u2=$F:-DSDM_FWD_XY_UNROLL=2 main2=$FB new2=$F --W 16 --graph --check --reps 20
+      ab main=$FB new=$F u2=$F:-DSDM_FWD_XY_UNROLL=2 main2=$FB new2=$F --W 8 --graph --reps 20
+      ab main=$FB new=$F main2=$FB new2=$F --backward --graph --check --reps 12 ;;
+    sanitize)
+      L=$(left)
+      echo "== sanitize, ${L} s left"
+      (cd .. && timeout $(( L + 15 )) python3 benchmarks/sanitize.py --timeout $L \
+         --tools memcheck,synccheck,racecheck,initcheck 2>&1 | tail -14) ;;
+  esac
+done
+echo "total $(( $(date +%s) - T0 )) s"
