@@ -386,15 +386,32 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
     } else
 #endif
     if (rowcp) {
-      for (int i = threadIdx.x; i < Ne * NPC; i += blockDim.x) {
-        const int e = divNPC.div(i), cc = (i - e * NPC) * N;
-        const I id = g.wid[e];
-        cp_async_row(keep_s + (long long)e * TWP + cc,
-                     bank_b + (long long)(valid_id(id, S) ? id : 0) * D + cc);
-        if (rstage) {
-          const I jd = g.rid[e];
-          cp_async_row(rkeep_s + (long long)e * TWP + cc,
-                       bank_b + (long long)(valid_id(jd, S) ? jd : 0) * D + cc);
+      const IdCheck<I> idok(S);
+      if (blockDim.x % NPC == 0) {
+        // copy i = threadIdx.x + k * blockDim.x is entry i / NPC, piece i % NPC: a thread keeps
+        // its piece and steps through the entries, without a division per copy (the same copies)
+        const int e0 = divNPC.div(threadIdx.x), cc = (threadIdx.x - e0 * NPC) * N;
+        const int es = blockDim.x / NPC, dstep = es * TWP;
+        T* kd = keep_s + (long long)e0 * TWP + cc;
+        T* rd = rkeep_s + (long long)e0 * TWP + cc;
+        const T* bc = bank_b + cc;
+        for (int e = e0; e < Ne; e += es, kd += dstep, rd += dstep) {
+          const I id = g.wid[e];
+          cp_async_row(kd, bc + idok.row(id, D));
+          if (rstage) {
+            const I jd = g.rid[e];
+            cp_async_row(rd, bc + idok.row(jd, D));
+          }
+        }
+      } else {
+        for (int i = threadIdx.x; i < Ne * NPC; i += blockDim.x) {
+          const int e = divNPC.div(i), cc = (i - e * NPC) * N;
+          const I id = g.wid[e];
+          cp_async_row(keep_s + (long long)e * TWP + cc, bank_b + idok.row(id, D) + cc);
+          if (rstage) {
+            const I jd = g.rid[e];
+            cp_async_row(rkeep_s + (long long)e * TWP + cc, bank_b + idok.row(jd, D) + cc);
+          }
         }
       }
       cp_commit();
@@ -449,7 +466,6 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
       // instead of skipped: x + 0 * 0 = x, as x is never -0 (it starts at +0 and an exact zero
       // sum rounds to +0), so the same bits; its snapshot is the zero row, as before. The
       // entries' rows, weights, ids and snapshot pieces are walked by pointers.
-      const IdCheck<I> idok(S);
       for (int base = 0; base < total; base += blockDim.x) {
         const int task = base + threadIdx.x, ws = task % WS, tp = task / WS;
         const bool act = task < total;
