@@ -9,9 +9,11 @@
 #            main's before stop 33 ($FWD_BASE, default .pre/sdm_fwd_main.cu, ignored: `git show
 #            15ff73f:kernels/sdm_fwd.cu > .pre/sdm_fwd_main.cu`, carried to the device), at
 #            W = 16 and W = 8, then forward+backward
-#   fwd2     the staged forward's row copies without a division per copy (kernels/sdm_fwd.cu)
-#            against the first form above ($FWD_PREV, default .pre/sdm_fwd_s33a.cu: `git show
-#            2ff0f5a:kernels/sdm_fwd.cu`) and main, at W = 16 and W = 8, then forward+backward
+#   fwd2     the staged forward's row copies and scatter without a division per piece
+#            (kernels/sdm_fwd.cu) against the first form above ($FWD_PREV, default
+#            .pre/sdm_fwd_s33a.cu: `git show 2ff0f5a:kernels/sdm_fwd.cu`), the row copies
+#            alone ($FWD_CP, default .pre/sdm_fwd_s33b.cu: `git show 910c4af:kernels/sdm_fwd.cu`)
+#            and main, at W = 16 and W = 8, then forward+backward
 #   suite    the GPU suite (benchmarks/gpu_check.py, 16 workers) with the time left
 # STEPS picks them (default "prepass fwd sanitize"). Run from the repository root:
 #   bash benchmarks/stop33_ab.sh
@@ -30,6 +32,7 @@ P=../kernels/sdm_prepass.cu
 F=../kernels/sdm_fwd.cu
 FB=${FWD_BASE:-../.pre/sdm_fwd_main.cu}
 FP=${FWD_PREV:-../.pre/sdm_fwd_s33a.cu}
+FC=${FWD_CP:-../.pre/sdm_fwd_s33b.cu}
 for step in ${STEPS:-prepass fwd sanitize}; do
   case $step in
     prepass)
@@ -42,8 +45,9 @@ for step in ${STEPS:-prepass fwd sanitize}; do
       ab main=$FB new=$F u2=$F:-DSDM_FWD_XY_UNROLL=2 main2=$FB new2=$F --W 8 --graph --reps 20
       ab main=$FB new=$F main2=$FB new2=$F --backward --graph --check --reps 12 ;;
     fwd2)
-      ab main=$FB prev=$FP new=$F prev2=$FP new2=$F --W 16 --graph --check --reps 20
-      ab main=$FB prev=$FP new=$F prev2=$FP new2=$F --W 8 --graph --reps 20
+      V="main=$FB prev=$FP cp=$FC new=$F prev2=$FP cp2=$FC new2=$F"
+      ab $V --W 16 --graph --check --reps 20
+      ab $V --W 8 --graph --reps 20
       ab main=$FB prev=$FP new=$F prev2=$FP new2=$F --backward --graph --check --reps 12 ;;
     suite)
       L=$(( $(left) - 10 ))

@@ -164,6 +164,22 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
   T* bank_b = bank + (long long)b * S * D + p * hd + c0;
   const FastDiv divW(W, mW), divNPC(NPC, tile == ntile - 1 ? mNPC_last : mNPC);
   const int E_cap = min(E_STAGE, C * C);
+  // f(e, cc) for every (entry, piece) of a chunk's Ne * NPC, piece i = threadIdx.x + k *
+  // blockDim.x being entry i / NPC at column (i % NPC) * N. Where the block's threads are a
+  // multiple of NPC a thread keeps its column and steps through the entries, without a
+  // division per piece (the staged row copies: 88 -> 28 instructions per entry, SASS sm_90)
+  auto each_piece = [&](int Ne, auto&& f) {
+    const int es = divNPC.div(blockDim.x);
+    if (es * NPC == (int)blockDim.x) {
+      const int e0 = divNPC.div(threadIdx.x), cc = (threadIdx.x - e0 * NPC) * N;
+      for (int e = e0; e < Ne; e += es) f(e, cc);
+    } else {
+      for (int i = threadIdx.x; i < Ne * NPC; i += blockDim.x) {
+        const int e = divNPC.div(i);
+        f(e, (i - e * NPC) * N);
+      }
+    }
+  };
 
   // issue the copies of chunk n's bank-independent data into stage s (one commit group)
   auto stage = [&](int n) {
@@ -387,33 +403,11 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
 #endif
     if (rowcp) {
       const IdCheck<I> idok(S);
-      if (blockDim.x % NPC == 0) {
-        // copy i = threadIdx.x + k * blockDim.x is entry i / NPC, piece i % NPC: a thread keeps
-        // its piece and steps through the entries, without a division per copy (the same copies)
-        const int e0 = divNPC.div(threadIdx.x), cc = (threadIdx.x - e0 * NPC) * N;
-        const int es = blockDim.x / NPC, dstep = es * TWP;
-        T* kd = keep_s + (long long)e0 * TWP + cc;
-        T* rd = rkeep_s + (long long)e0 * TWP + cc;
-        const T* bc = bank_b + cc;
-        for (int e = e0; e < Ne; e += es, kd += dstep, rd += dstep) {
-          const I id = g.wid[e];
-          cp_async_row(kd, bc + idok.row(id, D));
-          if (rstage) {
-            const I jd = g.rid[e];
-            cp_async_row(rd, bc + idok.row(jd, D));
-          }
-        }
-      } else {
-        for (int i = threadIdx.x; i < Ne * NPC; i += blockDim.x) {
-          const int e = divNPC.div(i), cc = (i - e * NPC) * N;
-          const I id = g.wid[e];
-          cp_async_row(keep_s + (long long)e * TWP + cc, bank_b + idok.row(id, D) + cc);
-          if (rstage) {
-            const I jd = g.rid[e];
-            cp_async_row(rkeep_s + (long long)e * TWP + cc, bank_b + idok.row(jd, D) + cc);
-          }
-        }
-      }
+      each_piece(Ne, [&](int e, int cc) {
+        const long long k = (long long)e * TWP + cc;
+        cp_async_row(keep_s + k, bank_b + idok.row(g.wid[e], D) + cc);
+        if (rstage) cp_async_row(rkeep_s + k, bank_b + idok.row(g.rid[e], D) + cc);
+      });
       cp_commit();
       for (int base = 0; base < (rstage ? 0 : total); base += blockDim.x) {
         const int task = base + threadIdx.x, ws = task % WS, tp = task / WS;
@@ -799,10 +793,8 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
       }
     };
     if (kept) {
-      for (int task = threadIdx.x; task < Ne * NPC; task += blockDim.x) {
-        const int e = divNPC.div(task);
-        if ((g.wrun[e] & (W_HEAD | W_BAD)) != W_HEAD) continue;
-        const int cc = (task - e * NPC) * N;
+      each_piece(Ne, [&](int e, int cc) {
+        if ((g.wrun[e] & (W_HEAD | W_BAD)) != W_HEAD) return;
         T kr[N];
 #ifdef SDM_FWD_CLUSTER
         {
@@ -819,7 +811,7 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
         add_run(m, e, cc);
         store_piece<N>(bank_b + (long long)g.wid[e] * D + cc, m, FIX ? N : min(N, tw - cc),
                        FIX || vb);
-      }
+      });
     } else {
       for (int base = threadIdx.x; base < Ne * NPC; base += SB * blockDim.x) {
         A m[SB][N];
