@@ -13,7 +13,9 @@
 #            (kernels/sdm_fwd.cu) against the first form above ($FWD_PREV, default
 #            .pre/sdm_fwd_s33a.cu: `git show 2ff0f5a:kernels/sdm_fwd.cu`), the row copies
 #            alone ($FWD_CP, default .pre/sdm_fwd_s33b.cu: `git show 910c4af:kernels/sdm_fwd.cu`)
-#            and main, at W = 16 and W = 8, then forward+backward
+#            and main, at W = 16 and W = 8, then forward+backward; split: the read rows as a
+#            commit group of their own, X summed while they arrive (.pre/sdm_fwd_split.cu, an
+#            experiment with the header inlined, -DSDM_FWD_SPLIT_WAIT)
 #   suite    the GPU suite (benchmarks/gpu_check.py, 16 workers) with the time left
 # STEPS picks them (default "prepass fwd sanitize"). Run from the repository root:
 #   bash benchmarks/stop33_ab.sh
@@ -45,10 +47,11 @@ for step in ${STEPS:-prepass fwd sanitize}; do
       ab main=$FB new=$F u2=$F:-DSDM_FWD_XY_UNROLL=2 main2=$FB new2=$F --W 8 --graph --reps 20
       ab main=$FB new=$F main2=$FB new2=$F --backward --graph --check --reps 12 ;;
     fwd2)
-      V="main=$FB prev=$FP cp=$FC new=$F prev2=$FP cp2=$FC new2=$F"
+      SP=../.pre/sdm_fwd_split.cu:-DSDM_FWD_SPLIT_WAIT
+      V="main=$FB prev=$FP cp=$FC new=$F split=$SP new2=$F"
       ab $V --W 16 --graph --check --reps 20
       ab $V --W 8 --graph --reps 20
-      ab main=$FB prev=$FP new=$F prev2=$FP new2=$F --backward --graph --check --reps 12 ;;
+      ab main=$FB prev=$FP new=$F split=$SP new2=$F --backward --graph --check --reps 12 ;;
     suite)
       L=$(( $(left) - 10 ))
       echo "== suite, ${L} s left"
