@@ -16,6 +16,8 @@
 #            and main, at W = 16 and W = 8, then forward+backward; split: the read rows as a
 #            commit group of their own, X summed while they arrive (.pre/sdm_fwd_split.cu, an
 #            experiment with the header inlined, -DSDM_FWD_SPLIT_WAIT)
+#   final    the forward as it landed (the first form's row copies, with the read rows a
+#            commit group of their own) against the first form and main
 #   suite    the GPU suite (benchmarks/gpu_check.py, 16 workers) with the time left
 # STEPS picks them (default "prepass fwd sanitize"). Run from the repository root:
 #   bash benchmarks/stop33_ab.sh
@@ -52,6 +54,9 @@ for step in ${STEPS:-prepass fwd sanitize}; do
       ab $V --W 16 --graph --check --reps 20
       ab $V --W 8 --graph --reps 20
       ab main=$FB prev=$FP new=$F split=$SP new2=$F --backward --graph --check --reps 12 ;;
+    final)   # the last form (split wait on the first form's copy loop) against both
+      ab main=$FB prev=$FP new=$F prev2=$FP new2=$F --W 16 --graph --check --reps 16
+      ab main=$FB prev=$FP new=$F --W 8 --graph --reps 16 ;;
     suite)
       L=$(( $(left) - 10 ))
       echo "== suite, ${L} s left"

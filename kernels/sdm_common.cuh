@@ -173,19 +173,12 @@ template <> struct IdCheck<int> {
   unsigned lim;
   __device__ explicit IdCheck(long long S) : lim((unsigned)max(0ll, min(S, 0x80000000ll))) {}
   __device__ __forceinline__ bool operator()(int id) const { return (unsigned)id < lim; }
-  // the offset of row id (row 0 for a bad id) in rows of D elements: one 32x32-bit multiply
-  __device__ __forceinline__ long long row(int id, int D) const {
-    return (long long)((unsigned long long)((unsigned)id < lim ? (unsigned)id : 0u) * (unsigned)D);
-  }
 };
 template <> struct IdCheck<long long> {
   unsigned long long lim;
   __device__ explicit IdCheck(long long S) : lim((unsigned long long)max(0ll, S)) {}
   __device__ __forceinline__ bool operator()(long long id) const {
     return (unsigned long long)id < lim;
-  }
-  __device__ __forceinline__ long long row(long long id, int D) const {
-    return ((unsigned long long)id < lim ? id : 0ll) * D;
   }
 };
 

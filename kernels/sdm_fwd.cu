@@ -164,22 +164,6 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
   T* bank_b = bank + (long long)b * S * D + p * hd + c0;
   const FastDiv divW(W, mW), divNPC(NPC, tile == ntile - 1 ? mNPC_last : mNPC);
   const int E_cap = min(E_STAGE, C * C);
-  // f(e, cc) for every (entry, piece) of a chunk's Ne * NPC, piece i = threadIdx.x + k *
-  // blockDim.x being entry i / NPC at column (i % NPC) * N. Where the block's threads are a
-  // multiple of NPC a thread keeps its column and steps through the entries, without a
-  // division per piece (the staged row copies: 88 -> 28 instructions per entry, SASS sm_90)
-  auto each_piece = [&](int Ne, auto&& f) {
-    const int es = divNPC.div(blockDim.x);
-    if (es * NPC == (int)blockDim.x) {
-      const int e0 = divNPC.div(threadIdx.x), cc = (threadIdx.x - e0 * NPC) * N;
-      for (int e = e0; e < Ne; e += es) f(e, cc);
-    } else {
-      for (int i = threadIdx.x; i < Ne * NPC; i += blockDim.x) {
-        const int e = divNPC.div(i);
-        f(e, (i - e * NPC) * N);
-      }
-    }
-  };
 
   // issue the copies of chunk n's bank-independent data into stage s (one commit group)
   auto stage = [&](int n) {
@@ -402,13 +386,35 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
     } else
 #endif
     if (rowcp) {
-      const IdCheck<I> idok(S);
-      each_piece(Ne, [&](int e, int cc) {
-        const long long k = (long long)e * TWP + cc;
-        cp_async_row(keep_s + k, bank_b + idok.row(g.wid[e], D) + cc);
-        if (rstage) cp_async_row(rkeep_s + k, bank_b + idok.row(g.rid[e], D) + cc);
-      });
+      // SPLIT (the staged instance): the read rows are a commit group of their own, issued
+      // after every write row, and X is summed while they arrive (stop 33, H100 headline:
+      // forward -5.4% at W = 16, -0.5% at W = 8; -DSDM_FWD_ONE_WAIT: one group, one pass)
+#ifdef SDM_FWD_ONE_WAIT
+      constexpr bool SPLIT = false;
+#else
+      constexpr bool SPLIT = FIX;
+#endif
+      for (int i = threadIdx.x; i < Ne * NPC; i += blockDim.x) {
+        const int e = divNPC.div(i), cc = (i - e * NPC) * N;
+        const I id = g.wid[e];
+        cp_async_row(keep_s + (long long)e * TWP + cc,
+                     bank_b + (long long)(valid_id(id, S) ? id : 0) * D + cc);
+        if (rstage && !SPLIT) {
+          const I jd = g.rid[e];
+          cp_async_row(rkeep_s + (long long)e * TWP + cc,
+                       bank_b + (long long)(valid_id(jd, S) ? jd : 0) * D + cc);
+        }
+      }
       cp_commit();
+      if (SPLIT) {
+        for (int i = threadIdx.x; i < Ne * NPC; i += blockDim.x) {
+          const int e = divNPC.div(i), cc = (i - e * NPC) * N;
+          const I jd = g.rid[e];
+          cp_async_row(rkeep_s + (long long)e * TWP + cc,
+                       bank_b + (long long)(valid_id(jd, S) ? jd : 0) * D + cc);
+        }
+        cp_commit();
+      }
       for (int base = 0; base < (rstage ? 0 : total); base += blockDim.x) {
         const int task = base + threadIdx.x, ws = task % WS, tp = task / WS;
         const bool act = task < total;
@@ -453,13 +459,20 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
           for (int i = 0; i < N; ++i) Y_s[t * TWP + cc + i] = y[i];
         }
       }
-      cp_wait<0>();
-      __syncthreads();
       // X (and with staged reads Y) from the rows in shared memory, entries w = ws, ws + WS,
       // ... as the register gather sums them. A bad id's row and weight are zeroed as words
       // instead of skipped: x + 0 * 0 = x, as x is never -0 (it starts at +0 and an exact zero
       // sum rounds to +0), so the same bits; its snapshot is the zero row, as before. The
-      // entries' rows, weights, ids and snapshot pieces are walked by pointers.
+      // entries' rows, weights, ids and snapshot pieces are walked by pointers. With SPLIT, a
+      // first pass sums X (the write rows' group waited for) and a second Y.
+      const IdCheck<I> idok(S);
+      constexpr int NPASS = SPLIT ? 2 : 1;
+#pragma unroll
+      for (int pass = 0; pass < NPASS; ++pass) {
+      const bool dx = pass == 0, dy = rstage && pass == NPASS - 1;
+      if (SPLIT && pass == 0) cp_wait<1>();
+      else cp_wait<0>();
+      __syncthreads();
       for (int base = 0; base < total; base += blockDim.x) {
         const int task = base + threadIdx.x, ws = task % WS, tp = task / WS;
         const bool act = task < total;
@@ -480,19 +493,21 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
           const A* cp = g.cw + e0;
 #pragma unroll SDM_FWD_XY_UNROLL
           for (int k = 0; k < ne; ++k) {
-            const bool ok = idok(*wp);
             const int4 z = make_int4(0, 0, 0, 0);
-            const int4 mw = ok ? *kp : z;
-            const A a = ok ? *ap : A(0);
-            A m[N];
-            piece_acc<N, T>(m, mw);
+            if (dx) {
+              const bool ok = idok(*wp);
+              const int4 mw = ok ? *kp : z;
+              const A a = ok ? *ap : A(0);
+              A m[N];
+              piece_acc<N, T>(m, mw);
 #pragma unroll
-            for (int i = 0; i < N; ++i) x[i] = fma_(a, m[i], x[i]);
-            if (save) {
-              if constexpr (Q == 0) *reinterpret_cast<int4*>(sq) = mw;
-              else if constexpr (Q == 1) store_piece<N>(sq, m, N, true);
+              for (int i = 0; i < N; ++i) x[i] = fma_(a, m[i], x[i]);
+              if (save) {
+                if constexpr (Q == 0) *reinterpret_cast<int4*>(sq) = mw;
+                else if constexpr (Q == 1) store_piece<N>(sq, m, N, true);
+              }
             }
-            if (rstage) {
+            if (dy) {
               const bool okr = idok(*rq);
               const int4 rw = okr ? *rp : z;
               const A c = okr ? *cp : A(0);
@@ -506,23 +521,28 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
           }
         }
         for (int o = 1; o < WS; o <<= 1) {
+          if (dx) {
 #pragma unroll
-          for (int i = 0; i < N; ++i) x[i] = add_(x[i], __shfl_xor_sync(0xffffffffu, x[i], o));
-          if (rstage) {
+            for (int i = 0; i < N; ++i) x[i] = add_(x[i], __shfl_xor_sync(0xffffffffu, x[i], o));
+          }
+          if (dy) {
 #pragma unroll
             for (int i = 0; i < N; ++i) y[i] = add_(y[i], __shfl_xor_sync(0xffffffffu, y[i], o));
           }
         }
         if (act && ws == 0) {   // w0 = beta (v - X)
           const A bt = g.beta[t];
+          if (dx) {
 #pragma unroll
-          for (int i = 0; i < N; ++i)
-            X_s[t * TWP + cc + i] = mul_(bt, sub_(to_acc(g.val[t * TVP + cc + i], A()), x[i]));
-          if (rstage) {
+            for (int i = 0; i < N; ++i)
+              X_s[t * TWP + cc + i] = mul_(bt, sub_(to_acc(g.val[t * TVP + cc + i], A()), x[i]));
+          }
+          if (dy) {
 #pragma unroll
             for (int i = 0; i < N; ++i) Y_s[t * TWP + cc + i] = y[i];
           }
         }
+      }
       }
     } else {
       for (int base = 0; base < total; base += blockDim.x) {
@@ -793,8 +813,10 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
       }
     };
     if (kept) {
-      each_piece(Ne, [&](int e, int cc) {
-        if ((g.wrun[e] & (W_HEAD | W_BAD)) != W_HEAD) return;
+      for (int task = threadIdx.x; task < Ne * NPC; task += blockDim.x) {
+        const int e = divNPC.div(task);
+        if ((g.wrun[e] & (W_HEAD | W_BAD)) != W_HEAD) continue;
+        const int cc = (task - e * NPC) * N;
         T kr[N];
 #ifdef SDM_FWD_CLUSTER
         {
@@ -811,7 +833,7 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
         add_run(m, e, cc);
         store_piece<N>(bank_b + (long long)g.wid[e] * D + cc, m, FIX ? N : min(N, tw - cc),
                        FIX || vb);
-      });
+      }
     } else {
       for (int base = threadIdx.x; base < Ne * NPC; base += SB * blockDim.x) {
         A m[SB][N];
