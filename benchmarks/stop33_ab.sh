@@ -55,7 +55,7 @@ for step in ${STEPS:-prepass fwd sanitize}; do
       ab $V --W 8 --graph --reps 20
       ab main=$FB prev=$FP new=$F split=$SP new2=$F --backward --graph --check --reps 12 ;;
     final)   # the last form (split wait on the first form's copy loop) against both
-      ab main=$FB prev=$FP new=$F prev2=$FP new2=$F --W 16 --graph --check --reps 16
+      ab main=$FB prev=$FP new=$F --W 16 --graph --check --reps 16
       ab main=$FB prev=$FP new=$F --W 8 --graph --reps 16 ;;
     suite)
       L=$(( $(left) - 10 ))
