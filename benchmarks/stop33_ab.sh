@@ -9,15 +9,16 @@
 #            main's before stop 33 ($FWD_BASE, default .pre/sdm_fwd_main.cu, ignored: `git show
 #            15ff73f:kernels/sdm_fwd.cu > .pre/sdm_fwd_main.cu`, carried to the device), at
 #            W = 16 and W = 8, then forward+backward
-#   fwd2     the staged forward's row copies and scatter without a division per piece
-#            (kernels/sdm_fwd.cu) against the first form above ($FWD_PREV, default
-#            .pre/sdm_fwd_s33a.cu: `git show 2ff0f5a:kernels/sdm_fwd.cu`), the row copies
-#            alone ($FWD_CP, default .pre/sdm_fwd_s33b.cu: `git show 910c4af:kernels/sdm_fwd.cu`)
-#            and main, at W = 16 and W = 8, then forward+backward; split: the read rows as a
-#            commit group of their own, X summed while they arrive (.pre/sdm_fwd_split.cu, an
-#            experiment with the header inlined, -DSDM_FWD_SPLIT_WAIT)
-#   final    the forward as it landed (the first form's row copies, with the read rows a
-#            commit group of their own) against the first form and main
+#   fwd2     (run at 55dce19, whose kernels/sdm_fwd.cu copied the rows and walked the scatter
+#            without a division per piece) that form against the first form above ($FWD_PREV,
+#            default .pre/sdm_fwd_s33a.cu: `git show 2ff0f5a:kernels/sdm_fwd.cu`, the form that
+#            landed), the row copies alone ($FWD_CP, default .pre/sdm_fwd_s33b.cu: `git show
+#            910c4af:kernels/sdm_fwd.cu`) and main, at W = 16 and W = 8, then forward+backward;
+#            split: 55dce19's form with the read rows as a commit group of their own and X
+#            summed while they arrive (.pre/sdm_fwd_split.cu, an experiment file with the header
+#            inlined, -DSDM_FWD_SPLIT_WAIT; branch wip/fwd-split holds the same wait on the
+#            landed form's loops)
+#   final    (on branch wip/fwd-split) that form against the first form and main
 #   suite    the GPU suite (benchmarks/gpu_check.py, 16 workers) with the time left
 # STEPS picks them (default "prepass fwd sanitize"). Run from the repository root:
 #   bash benchmarks/stop33_ab.sh
