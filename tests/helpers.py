@@ -86,6 +86,23 @@ def spread_magnitudes(pb: Problem) -> None:
     pb.bank[...] = (pb.bank.astype(np.float64) * mag[:, None]).astype(pb.bank.dtype)
 
 
+# the pre-pass sorts (slot, entry) keys in 32 bits while S <= KEY_LIMIT (2^18 - 1), in 64 above
+KEY_LIMIT = 262143
+
+
+def near_key_limit(rng, S: int) -> Problem:
+    """A small float64 problem whose slots sit next to the pre-pass's 32-bit key limit and
+    repeat within and across tokens (262143 and 262144, the first slots whose keys need more
+    than 32 bits, where S allows), with beta scaled down as the repeats add up in |k|^2."""
+    pb = make_problem(rng, B=1, T=40, P=2, hd=4, S=S, W=4)
+    pool = np.array([S - 1, S - 2, KEY_LIMIT - 1, 131072, 5]
+                    + ([KEY_LIMIT, KEY_LIMIT + 1] if S > KEY_LIMIT + 1 else []))
+    pb.write_idx[...] = rng.choice(pool, size=pb.write_idx.shape)
+    pb.read_idx[...] = rng.choice(pool, size=pb.read_idx.shape)
+    pb.beta[...] = pb.beta / pb.W
+    return pb
+
+
 def to_numpy(x):
     if hasattr(x, "get"):
         x = x.get()

@@ -28,8 +28,8 @@ import pytest
 import early
 import emu
 import sdm_cupy as sdm
-from helpers import (BF16, assert_close, make_problem, reference_bwd, reference_fwd,
-                     spread_magnitudes)
+from helpers import (BF16, assert_close, make_problem, near_key_limit, reference_bwd,
+                     reference_fwd, spread_magnitudes)
 
 _why = emu.available()
 pytestmark = [pytest.mark.emu, pytest.mark.skipif(_why is not None, reason=str(_why))]
@@ -162,6 +162,12 @@ def test_kernels_match_reference(rng, emulated, case):
         assert gpu.plan(lay, cfg, quant=None, saves=True).sub, f"{case}: no sub-chunks"
     dr = rng.normal(size=pb.values.shape)
     dM = rng.normal(size=pb.bank.shape) if "grad_bank_fp32" not in ckw else None
+    _assert_reference(pb, cfg, dr, dM, ftol, gtol, err)
+
+
+def _assert_reference(pb, cfg, dr, dM, ftol, gtol, err):
+    """The emulated forward and backward of ``pb`` against the float64 reference: readings,
+    final bank, gradients, the bank rewound bitwise, and no error flagged."""
     r, fin, g, rewound = _run(pb, cfg, dr, dM)
     r_ref, fin_ref = reference_fwd(pb)
     assert_close(r, r_ref, ftol, "readings")
@@ -177,23 +183,11 @@ def test_prepass_key_widths_match_reference(rng, emulated, S):
     """The pre-pass instance with 32-bit sort keys (S <= 262143) and the one with 64-bit keys
     (above), on slots next to the limit repeated within and across tokens (the pool also holds
     262143 and 262144 where S allows: the first slots whose keys need more than 32 bits)."""
-    knobs, err = emulated
-    pb = make_problem(rng, B=1, T=40, P=2, hd=4, S=S, W=4)
-    pool = np.array([S - 1, S - 2, 262142, 131072, 5] + ([262143, 262144] if S > 262144 else []))
-    pb.write_idx[...] = rng.choice(pool, size=pb.write_idx.shape)
-    pb.read_idx[...] = rng.choice(pool, size=pb.read_idx.shape)
-    pb.beta[...] = pb.beta / pb.W   # repeated slots add up in |k|^2
+    _, err = emulated
+    pb = near_key_limit(rng, S)
     dr = rng.normal(size=pb.values.shape)
     dM = rng.normal(size=pb.bank.shape)
-    r, fin, g, rewound = _run(pb, _cfg(pb, 16), dr, dM)
-    r_ref, fin_ref = reference_fwd(pb)
-    ftol, gtol = TOL[pb.bank.dtype]
-    assert_close(r, r_ref, ftol, "readings")
-    assert_close(fin, fin_ref, ftol, "final bank")
-    for name, got, want in zip(GRADS, g, reference_bwd(pb, dr, dM)):
-        assert_close(got, want, gtol, f"grad {name}")
-    assert np.array_equal(rewound.view(np.uint8), pb.bank.view(np.uint8)), "rewound bank"
-    assert err[0] == 0, f"error word {err[0]} with valid ids"
+    _assert_reference(pb, _cfg(pb, 16), dr, dM, *TOL[pb.bank.dtype], err)
 
 
 QUANT = {"f32-bf16": (np.float32, "bf16"), "f32-fp8": (np.float32, "fp8_e4m3"),

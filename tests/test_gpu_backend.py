@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import sdm_cupy as sdm
-from helpers import (BF16, assert_close, make_problem, reference_bwd, reference_fwd,
-                     spread_magnitudes, to_numpy)
+from helpers import (BF16, assert_close, make_problem, near_key_limit, reference_bwd,
+                     reference_fwd, spread_magnitudes, to_numpy)
 
 pytestmark = pytest.mark.gpu
 
@@ -90,11 +90,7 @@ def test_prepass_sort_keys_at_both_sides_of_the_32_bit_limit(rng, S):
     """The pre-pass sorts (slot, entry) keys in 32 bits while S <= 2^18 - 1 (262143) and in
     64 bits above: slots next to the limit, repeated within and across tokens, give the float64
     reference's readings, final bank and gradients either way."""
-    pb = make_problem(rng, B=1, T=40, P=2, hd=4, S=S, W=4)
-    pool = np.array([S - 1, S - 2, 262142, 131072, 5] + ([262143, 262144] if S > 262144 else []))
-    pb.write_idx[...] = rng.choice(pool, size=pb.write_idx.shape)
-    pb.read_idx[...] = rng.choice(pool, size=pb.read_idx.shape)
-    pb.beta[...] = pb.beta / pb.W   # repeated slots add up in |k|^2
+    pb = near_key_limit(rng, S)
     dr = rng.normal(size=pb.values.shape)
     dM = rng.normal(size=pb.bank.shape)
     (r, fin), grads, rewound = _run(pb, _cfg(pb, 8), dr, dM)
