@@ -20,6 +20,7 @@
 #            landed form's loops)
 #   final    (on branch wip/fwd-split) that form against the first form and main
 #   suite    the GPU suite (benchmarks/gpu_check.py, 16 workers) with the time left
+#   bench    bench_gpu.py --quick (the headline and FLA's anchor) with the time left
 # STEPS picks them (default "prepass fwd sanitize"). Run from the repository root:
 #   bash benchmarks/stop33_ab.sh
 set -u
@@ -63,6 +64,10 @@ for step in ${STEPS:-prepass fwd sanitize}; do
       echo "== suite, ${L} s left"
       (cd .. && PYTEST_TIMEOUT=$L PYTEST_DEADLINE=$(( $(date +%s) + L - 15 )) timeout $L \
          python3 benchmarks/gpu_check.py --no-bench --pytest-args "-n 16" 2>&1 | tail -8) ;;
+    bench)   # the headline with FLA's anchor (carry .whl), its JSON and plot to $OUT
+      L=$(left)
+      echo "== bench, ${L} s left"
+      (timeout $L python3 bench_gpu.py --quick --out ${OUT:-.} 2>&1 | tail -16) ;;
     sanitize)
       L=$(left)
       echo "== sanitize, ${L} s left"
