@@ -61,7 +61,8 @@ for step in ${STEPS:-prepass fwd sanitize}; do
       ab main=$FB prev=$FP new=$F --W 8 --graph --reps 16 ;;
     suite)
       L=$(( $(left) - 10 ))
-      echo "== suite, ${L} s left"
+      L=$(( ${SUITE_S:-$L} < L ? ${SUITE_S:-$L} : L ))   # SUITE_S: leave the rest to later steps
+      echo "== suite, ${L} s"
       (cd .. && PYTEST_TIMEOUT=$L PYTEST_DEADLINE=$(( $(date +%s) + L - 15 )) timeout $L \
          python3 benchmarks/gpu_check.py --no-bench --pytest-args "-n 16" 2>&1 | tail -8) ;;
     bench)   # the headline with FLA's anchor (carry .whl), its JSON and plot to $OUT
