@@ -35,8 +35,8 @@ def main():
     seg = plb.seg
 
     def bwd_pre():
-        gpu._launch("prepass", (acc, lay.index_dtype), K.prepass_name(acc, lay.index_dtype, 2, lay.S),
-                    B * P * seg, plb.smem_pre,
+        gpu._launch("prepass", (acc, lay.index_dtype),
+                    K.prepass_name(acc, lay.index_dtype, 2, lay.S), B * P * seg, plb.smem_pre,
                     (wi, ww, ri, rw, beta, np.int32(T), np.int32(P), np.int32(args.W),
                      np.int64(S), np.int32(plb.C), np.int32(0), np.int32(seg), val, srt, ptr,
                      col, np.int32(plb.CS), gpu._err_array()), gpu.PREPASS_THREADS)

@@ -10,6 +10,7 @@ import ml_dtypes
 import numpy as np
 
 import sdm_cupy as sdm
+from sdm_cupy.kernels._build import KEY32_MAX_S
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = {"f64": np.float64, "f32": np.float32, "f16": np.float16, "bf16": BF16}
@@ -87,7 +88,7 @@ def spread_magnitudes(pb: Problem) -> None:
 
 
 # the pre-pass sorts (slot, entry) keys in 32 bits while S <= KEY_LIMIT (2^18 - 1), in 64 above
-KEY_LIMIT = 262143
+KEY_LIMIT = KEY32_MAX_S
 
 
 def near_key_limit(rng, S: int) -> Problem:

@@ -241,8 +241,8 @@ def test_compile_time_variants_leave_results_bitwise_equal(rng, monkeypatch, mac
     fast path for full aligned pieces; its write rows loaded through registers instead of
     copied into shared memory with cp.async; the pre-pass's shared-memory-only sort, its
     64-bit sort keys where 32 bits suffice, the slots of both its forms sorted instead
-    of hashed, and both key widths' bodies in one instance; the backward's snapshots read from global memory
-    instead of staged; the row gathers' L2 prefetch size) change no bit of the
+    of hashed, and both key widths' bodies in one instance; the backward's snapshots read
+    from global memory instead of staged; the row gathers' L2 prefetch size) change no bit of the
     forward (with snapshots), of the backward's exact-owner gradients (bank, values)
     or of the rewound bank."""
     pb = make_problem(rng, B=2, T=150, P=2, hd=32, S=300, W=12, dtype=dtype)
