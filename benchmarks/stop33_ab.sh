@@ -18,8 +18,7 @@
 #            summed while they arrive (.pre/sdm_fwd_split.cu, an experiment file with the header
 #            inlined, -DSDM_FWD_SPLIT_WAIT; branch wip/fwd-split holds the same wait on the
 #            landed form's loops)
-#   final    (on branch wip/fwd-split) that form against the first form and main; early: with
-#            u = Ainv w0 computed before the wait for the read rows (-DSDM_FWD_U_EARLY)
+#   final    (on branch wip/fwd-split) that form against the first form and main
 #   suite    the GPU suite (benchmarks/gpu_check.py, 16 workers) with the time left
 #   bench    bench_gpu.py --quick (the headline and FLA's anchor) with the time left
 # STEPS picks them (default "prepass fwd sanitize"). Run from the repository root:
@@ -58,8 +57,8 @@ for step in ${STEPS:-prepass fwd sanitize}; do
       ab $V --W 8 --graph --reps 20
       ab main=$FB prev=$FP new=$F split=$SP new2=$F --backward --graph --check --reps 12 ;;
     final)   # the last form (split wait on the first form's copy loop) against both
-      ab main=$FB prev=$FP new=$F early=$F:-DSDM_FWD_U_EARLY --W 16 --graph --check --reps 16
-      ab main=$FB prev=$FP new=$F early=$F:-DSDM_FWD_U_EARLY --W 8 --graph --reps 16 ;;
+      ab main=$FB prev=$FP new=$F --W 16 --graph --check --reps 16
+      ab main=$FB prev=$FP new=$F --W 8 --graph --reps 16 ;;
     suite)
       L=$(( $(left) - 10 ))
       L=$(( ${SUITE_S:-$L} < L ? ${SUITE_S:-$L} : L ))   # SUITE_S: leave the rest to later steps

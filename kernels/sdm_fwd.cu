@@ -130,13 +130,6 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
   // and fuse = 0 for every RS = 1 launch, so these instances take both as compile-time facts
   // (the scatter that re-reads its rows and the fused link search are not compiled there)
   const bool kept = FIX || keep, fused = !FIX && fuse;
-  // U_EARLY (experiment, -DSDM_FWD_U_EARLY, with the split wait): u = Ainv w0 runs between the
-  // X pass and the wait for the read rows, before Y (the same barriers, more work overlapped)
-#if defined(SDM_FWD_U_EARLY) && !defined(SDM_FWD_ONE_WAIT)
-  constexpr bool U_EARLY = FIX;
-#else
-  constexpr bool U_EARLY = false;
-#endif
 #ifdef SDM_FWD_GENERAL_GATHER   // benchmarks: the general path only, for comparison
   const bool fast = false;
 #else
@@ -275,23 +268,6 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
     const int nnz = g.ptr[2 * C];
     const A* ev = nnz <= E_STAGE ? g.ev : sp_val + chunk * C * C;
     const unsigned char* ec = nnz <= E_STAGE ? g.ec : sp_col + chunk * CS;
-    // u = Ainv w0 (unit diagonal last, as a sum in ascending tau); X_s complete
-    auto u_pass = [&]() {
-      for (int task = threadIdx.x; task < L * NPC; task += blockDim.x) {
-        const int t = task / NPC, cc = (task % NPC) * N;
-        A u[N];
-  #pragma unroll
-        for (int i = 0; i < N; ++i) u[i] = A(0);
-        for (int k = g.ptr[t], ke = g.ptr[t + 1]; k < ke; ++k) {
-          const int tau = ec[k];
-          const A a = ev[k];
-  #pragma unroll
-          for (int i = 0; i < N; ++i) u[i] = fma_(a, X_s[tau * TWP + cc + i], u[i]);
-        }
-  #pragma unroll
-        for (int i = 0; i < N; ++i) U_s[t * TWP + cc + i] = add_(u[i], X_s[t * TWP + cc + i]);
-      }
-    };
 
     // gather (every write row once: X, the snapshot and the kept row; every read row once: Y).
     // WS threads share a (token, piece) and split its W entries, so that a block keeps many
@@ -495,15 +471,8 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
 #pragma unroll
       for (int pass = 0; pass < NPASS; ++pass) {
       const bool dx = pass == 0, dy = rstage && pass == NPASS - 1;
-      if (SPLIT && pass == 0) {
-        cp_wait<1>();
-      } else {
-        if (U_EARLY) {   // X_s complete (the barrier), then u
-          __syncthreads();
-          u_pass();
-        }
-        cp_wait<0>();
-      }
+      if (SPLIT && pass == 0) cp_wait<1>();
+      else cp_wait<0>();
       __syncthreads();
       for (int base = 0; base < total; base += blockDim.x) {
         const int task = base + threadIdx.x, ws = task % WS, tp = task / WS;
@@ -711,7 +680,21 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
       }
     }
 
-    if (!U_EARLY) u_pass();
+    // u = Ainv w0 (unit diagonal last, as a sum in ascending tau)
+    for (int task = threadIdx.x; task < L * NPC; task += blockDim.x) {
+      const int t = task / NPC, cc = (task % NPC) * N;
+      A u[N];
+#pragma unroll
+      for (int i = 0; i < N; ++i) u[i] = A(0);
+      for (int k = g.ptr[t], ke = g.ptr[t + 1]; k < ke; ++k) {
+        const int tau = ec[k];
+        const A a = ev[k];
+#pragma unroll
+        for (int i = 0; i < N; ++i) u[i] = fma_(a, X_s[tau * TWP + cc + i], u[i]);
+      }
+#pragma unroll
+      for (int i = 0; i < N; ++i) U_s[t * TWP + cc + i] = add_(u[i], X_s[t * TWP + cc + i]);
+    }
     __syncthreads();
     // readings r = Y + H u
     for (int task = threadIdx.x; task < L * NPC; task += blockDim.x) {
