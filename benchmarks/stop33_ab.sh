@@ -18,7 +18,9 @@
 #            summed while they arrive (.pre/sdm_fwd_split.cu, an experiment file with the header
 #            inlined, -DSDM_FWD_SPLIT_WAIT; branch wip/fwd-split holds the same wait on the
 #            landed form's loops)
-#   final    (on branch wip/fwd-split) that form against the first form and main
+#   final    (on branch wip/fwd-split) that form against the first form and main (stop 34 ran
+#            it at be71022 with a fourth variant, early: u = Ainv w0 before the wait for the
+#            read rows, -DSDM_FWD_U_EARLY; no gain, removed)
 #   suite    the GPU suite (benchmarks/gpu_check.py, 16 workers) with the time left
 #   bench    bench_gpu.py --quick (the headline and FLA's anchor) with the time left
 # STEPS picks them (default "prepass fwd sanitize"). Run from the repository root:

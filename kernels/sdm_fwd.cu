@@ -386,18 +386,36 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
     } else
 #endif
     if (rowcp) {
+      // SPLIT (the staged instance): the read rows are a commit group of their own, issued
+      // after every write row, and X is summed while they arrive (stop 34, H100 headline:
+      // forward 1.036 -> 0.977 ms at W = 16, 0.622 -> 0.610 at W = 8, bitwise equal;
+      // -DSDM_FWD_ONE_WAIT: one group, one pass)
+#ifdef SDM_FWD_ONE_WAIT
+      constexpr bool SPLIT = false;
+#else
+      constexpr bool SPLIT = FIX;
+#endif
       for (int i = threadIdx.x; i < Ne * NPC; i += blockDim.x) {
         const int e = divNPC.div(i), cc = (i - e * NPC) * N;
         const I id = g.wid[e];
         cp_async_row(keep_s + (long long)e * TWP + cc,
                      bank_b + (long long)(valid_id(id, S) ? id : 0) * D + cc);
-        if (rstage) {
+        if (rstage && !SPLIT) {
           const I jd = g.rid[e];
           cp_async_row(rkeep_s + (long long)e * TWP + cc,
                        bank_b + (long long)(valid_id(jd, S) ? jd : 0) * D + cc);
         }
       }
       cp_commit();
+      if (SPLIT) {
+        for (int i = threadIdx.x; i < Ne * NPC; i += blockDim.x) {
+          const int e = divNPC.div(i), cc = (i - e * NPC) * N;
+          const I jd = g.rid[e];
+          cp_async_row(rkeep_s + (long long)e * TWP + cc,
+                       bank_b + (long long)(valid_id(jd, S) ? jd : 0) * D + cc);
+        }
+        cp_commit();
+      }
       for (int base = 0; base < (rstage ? 0 : total); base += blockDim.x) {
         const int task = base + threadIdx.x, ws = task % WS, tp = task / WS;
         const bool act = task < total;
@@ -442,14 +460,20 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
           for (int i = 0; i < N; ++i) Y_s[t * TWP + cc + i] = y[i];
         }
       }
-      cp_wait<0>();
-      __syncthreads();
       // X (and with staged reads Y) from the rows in shared memory, entries w = ws, ws + WS,
       // ... as the register gather sums them. A bad id's row and weight are zeroed as words
       // instead of skipped: x + 0 * 0 = x, as x is never -0 (it starts at +0 and an exact zero
       // sum rounds to +0), so the same bits; its snapshot is the zero row, as before. The
-      // entries' rows, weights, ids and snapshot pieces are walked by pointers.
+      // entries' rows, weights, ids and snapshot pieces are walked by pointers. With SPLIT, a
+      // first pass sums X (the write rows' group waited for) and a second Y.
       const IdCheck<I> idok(S);
+      constexpr int NPASS = SPLIT ? 2 : 1;
+#pragma unroll
+      for (int pass = 0; pass < NPASS; ++pass) {
+      const bool dx = pass == 0, dy = rstage && pass == NPASS - 1;
+      if (SPLIT && pass == 0) cp_wait<1>();
+      else cp_wait<0>();
+      __syncthreads();
       for (int base = 0; base < total; base += blockDim.x) {
         const int task = base + threadIdx.x, ws = task % WS, tp = task / WS;
         const bool act = task < total;
@@ -470,19 +494,21 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
           const A* cp = g.cw + e0;
 #pragma unroll SDM_FWD_XY_UNROLL
           for (int k = 0; k < ne; ++k) {
-            const bool ok = idok(*wp);
             const int4 z = make_int4(0, 0, 0, 0);
-            const int4 mw = ok ? *kp : z;
-            const A a = ok ? *ap : A(0);
-            A m[N];
-            piece_acc<N, T>(m, mw);
+            if (dx) {
+              const bool ok = idok(*wp);
+              const int4 mw = ok ? *kp : z;
+              const A a = ok ? *ap : A(0);
+              A m[N];
+              piece_acc<N, T>(m, mw);
 #pragma unroll
-            for (int i = 0; i < N; ++i) x[i] = fma_(a, m[i], x[i]);
-            if (save) {
-              if constexpr (Q == 0) *reinterpret_cast<int4*>(sq) = mw;
-              else if constexpr (Q == 1) store_piece<N>(sq, m, N, true);
+              for (int i = 0; i < N; ++i) x[i] = fma_(a, m[i], x[i]);
+              if (save) {
+                if constexpr (Q == 0) *reinterpret_cast<int4*>(sq) = mw;
+                else if constexpr (Q == 1) store_piece<N>(sq, m, N, true);
+              }
             }
-            if (rstage) {
+            if (dy) {
               const bool okr = idok(*rq);
               const int4 rw = okr ? *rp : z;
               const A c = okr ? *cp : A(0);
@@ -496,23 +522,28 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
           }
         }
         for (int o = 1; o < WS; o <<= 1) {
+          if (dx) {
 #pragma unroll
-          for (int i = 0; i < N; ++i) x[i] = add_(x[i], __shfl_xor_sync(0xffffffffu, x[i], o));
-          if (rstage) {
+            for (int i = 0; i < N; ++i) x[i] = add_(x[i], __shfl_xor_sync(0xffffffffu, x[i], o));
+          }
+          if (dy) {
 #pragma unroll
             for (int i = 0; i < N; ++i) y[i] = add_(y[i], __shfl_xor_sync(0xffffffffu, y[i], o));
           }
         }
         if (act && ws == 0) {   // w0 = beta (v - X)
           const A bt = g.beta[t];
+          if (dx) {
 #pragma unroll
-          for (int i = 0; i < N; ++i)
-            X_s[t * TWP + cc + i] = mul_(bt, sub_(to_acc(g.val[t * TVP + cc + i], A()), x[i]));
-          if (rstage) {
+            for (int i = 0; i < N; ++i)
+              X_s[t * TWP + cc + i] = mul_(bt, sub_(to_acc(g.val[t * TVP + cc + i], A()), x[i]));
+          }
+          if (dy) {
 #pragma unroll
             for (int i = 0; i < N; ++i) Y_s[t * TWP + cc + i] = y[i];
           }
         }
+      }
       }
     } else {
       for (int base = 0; base < total; base += blockDim.x) {
