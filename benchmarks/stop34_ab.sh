@@ -8,6 +8,8 @@
 #   bwdpf  the backward with L2 prefetches (-DSDM_BWD_L2PF: 1 this chunk's unlinked read slots'
 #          dM rows at round 1's start, for the scatter; after round 1, chunk n-1's 2 gather rows,
 #          4 snapshot rows, 8 read slots' dM rows), forward+backward at W = 16 and W = 8
+#   plain  the same with one prefetch.global.L2 per 128-byte line (-DSDM_PF_PLAIN) instead of
+#          the bulk prefetches, which the first call measured 9-27% slower
 #   suite  the GPU suite (benchmarks/gpu_check.py, 16 workers) with the time left (SUITE_S caps)
 #   bench  bench_gpu.py --quick (the headline and FLA's anchor; carry .whl)
 # STEPS picks them (default "fwdpf bwdpf"). Run from the repository root:
@@ -35,6 +37,11 @@ for step in ${STEPS:-fwdpf bwdpf}; do
       V="base=$B p1=$B:-DSDM_BWD_L2PF=1 p2=$B:-DSDM_BWD_L2PF=2 p6=$B:-DSDM_BWD_L2PF=6 p10=$B:-DSDM_BWD_L2PF=10 p15=$B:-DSDM_BWD_L2PF=15 base2=$B"
       ABT=260 ab $V --source bwd --backward --graph --check --reps 10
       ABT=200 ab base=$B p${BW8:-15}=$B:-DSDM_BWD_L2PF=${BW8:-15} base2=$B --source bwd --backward --W 8 --graph --reps 10 ;;
+    plain)
+      PL=-DSDM_PF_PLAIN
+      ab new=$F p1=$F:"-DSDM_FWD_L2PF=1 $PL" p3=$F:"-DSDM_FWD_L2PF=3 $PL" new2=$F --W 16 --graph --check --reps 16
+      ABT=200 ab base=$B p1=$B:"-DSDM_BWD_L2PF=1 $PL" p2=$B:"-DSDM_BWD_L2PF=2 $PL" base2=$B --source bwd --backward \
+         --graph --reps 10 ;;
     suite)
       L=$(( $(left) - 10 ))
       L=$(( ${SUITE_S:-$L} < L ? ${SUITE_S:-$L} : L ))
