@@ -12,6 +12,8 @@
 #          the bulk prefetches, which the first call measured 9-27% slower
 #   suite  the GPU suite (benchmarks/gpu_check.py, 16 workers) with the time left (SUITE_S caps)
 #   bench  bench_gpu.py --quick (the headline and FLA's anchor; carry .whl)
+# fwdpf, bwdpf and plain ran at 4900398 (their macros were removed after: every variant was
+# slower, benchmarks/RESULTS.md stop 34); check that commit's kernels out to run them again.
 # STEPS picks them (default "fwdpf bwdpf"). Run from the repository root:
 #   bash benchmarks/stop34_ab.sh
 set -u

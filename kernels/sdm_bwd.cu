@@ -47,16 +47,6 @@ __device__ __forceinline__ int bws_max(int W) { return W > 16 ? 4 : 2; }
 #define SDM_BWD_GB 2
 #endif
 constexpr int BG = SDM_BWD_GB;
-// Experiment (-DSDM_BWD_L2PF=mask, default 0; staged snapshots only): whole row tiles
-// prefetched into L2 (cp.async.bulk.prefetch) before the block needs them
-//   1  at the start of round 1: this chunk's unlinked read slots' dM rows (the scatter's adds)
-//   2  after round 1: chunk n-1's dM rows of its writes and bank rows of its unlinked reads
-//      (round 1's gathers there)
-//   4  after round 1: chunk n-1's snapshot rows
-//   8  after round 1: chunk n-1's unlinked read slots' dM rows
-#ifndef SDM_BWD_L2PF
-#define SDM_BWD_L2PF 0
-#endif
 constexpr int BE_STAGE = 1024; // CSR entries of a chunk staged in shared memory (more: from L2)
 constexpr int B_RUN_HEAD = 1 << 30, B_RUN_BAD = 1 << 29, B_QMASK = (1 << 14) - 1;
 
@@ -322,27 +312,6 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
   int WS = 1;
   while (WS < bws_max(W) && WS * 2 <= W) WS *= 2;
 
-  // SDM_BWD_L2PF: L2 prefetches of chunk n1's row tiles (its stage landed and visible)
-  auto l2rows = [&](int n1, int what) {
-    if (!what) return;
-    const BwdStage<V, A, I> g1 = stage(n1);
-    const int L1 = min(C, T_ - n1 * C), Ne1 = L1 * W;
-    const long long tokb1 = ((long long)b * T_ + n1 * C) * P + p;
-    const unsigned gb = (unsigned)(tw * sizeof(Gt)), tb = (unsigned)(tw * sizeof(T));
-    if (gb % 16 || tb % 16) return;
-    for (int e = threadIdx.x; e < Ne1; e += blockDim.x) {
-      const I id = g1.wid[e], jd = g1.rid[e];
-      const bool rd = valid_id(jd, S) && !g1.rl[e];
-      if ((what & 2) && valid_id(id, S)) prefetch_l2(dM_b + (long long)id * D, gb);
-      if ((what & 2) && rd) prefetch_l2(bank_b + (long long)jd * D, tb);
-      if ((what & 8) && rd) prefetch_l2(dM_b + (long long)jd * D, gb);
-      if (what & 4) {
-        const int t = divW.div(e);
-        prefetch_l2(snap + ((tokb1 + (long long)t * P) * W + (e - t * W)) * hd + c0, tb);
-      }
-    }
-  };
-
   prefetch(n_hi - 1);
   for (int n = n_hi - 1; n >= n_lo; --n) {
     const BwdStage<V, A, I> g = stage(n);
@@ -444,7 +413,6 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
                      snap + ((tokb + (long long)t * P) * W + (e - t * W)) * hd + c0 + cc);
       }
       cp_commit();
-      l2rows(n, SDM_BWD_L2PF & 1 ? 8 : 0);
       for (int base = 0; base < total; base += blockDim.x) {
         const int task = base + threadIdx.x, ws = task % WS, tp = task / WS;
         const bool act = task < total;
@@ -657,8 +625,6 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
     else if (fast) round1(BoolC<true>());
     else round1(BoolC<false>());
     __syncthreads();
-    // (round1s and round1d waited for every copy group: stage n - 1 has landed)
-    if (Q == 0 && sst && n > n_lo) l2rows(n - 1, SDM_BWD_L2PF & 14);
     // u = Ainv diag(beta) e0 (unit diagonal implied)
     for (int task = threadIdx.x; task < TP; task += blockDim.x) {
       const int t = divNPC.div(task), cc = (task - t * NPC) * N;

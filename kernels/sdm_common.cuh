@@ -227,18 +227,6 @@ __device__ __forceinline__ void cp_wait() {
   sdm_emu::cp_wait(K);
 #endif
 }
-// L2 prefetch of `bytes` (a multiple of 16) from a 16-byte-aligned global address: a hint,
-// holding no register and waited for by nothing (sm_90; nothing elsewhere or in tests/emu)
-// (-DSDM_PF_PLAIN: one prefetch.global.L2 per 128-byte line instead of one bulk prefetch)
-__device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
-#if __CUDA_ARCH__ >= 900 && !defined(SDM_PF_PLAIN)
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
-#elif __CUDA_ARCH__ >= 800
-  const unsigned long long a = reinterpret_cast<unsigned long long>(p);
-  for (unsigned long long l = a & ~127ull; l < a + bytes; l += 128)
-    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(l));
-#endif
-}
 // ---- gathers of row pieces ----------------------------------------------------------------
 // A block owns a column tile, so it reads only a 16- to 64-byte piece of each 256-byte (bf16,
 // hd = 128) row it gathers; the blocks of the other tiles read the rest of the same rows at about

@@ -474,22 +474,6 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
       if (SPLIT && pass == 0) cp_wait<1>();
       else cp_wait<0>();
       __syncthreads();
-#if SDM_FWD_L2PF
-      // experiment (-DSDM_FWD_L2PF=mask: 1 write rows, 2 read rows; 4: in the X pass instead
-      // of the Y pass): chunk n + 1's bank row tiles prefetched into L2 (its stage has landed:
-      // its group is older than the ones waited for), so that its copies find them there;
-      // chunk n's scatter still updates them in L2
-      if (FIX && pass == (SDM_FWD_L2PF & 4 ? 0 : NPASS - 1) && n + 1 < Nt) {
-        const FwdStage<T, V, A, I> g1 = stage(n + 1);
-        const int Ne1 = min(C, T_ - (n + 1) * C) * W;
-        const unsigned tb = (unsigned)(tw * sizeof(T));
-        for (int e = threadIdx.x; e < Ne1; e += blockDim.x) {
-          const I id = g1.wid[e], jd = g1.rid[e];
-          if ((SDM_FWD_L2PF & 1) && idok(id)) prefetch_l2(bank_b + (long long)id * D, tb);
-          if ((SDM_FWD_L2PF & 2) && idok(jd)) prefetch_l2(bank_b + (long long)jd * D, tb);
-        }
-      }
-#endif
       for (int base = 0; base < total; base += blockDim.x) {
         const int task = base + threadIdx.x, ws = task % WS, tp = task / WS;
         const bool act = task < total;
