@@ -329,6 +329,40 @@ def test_sub_chunk_snapshots_in_the_scatter_are_the_separate_passes(rng, monkeyp
     assert not np.array_equal(outs[0][2], outs[2][2]), "no snapshot of a later sub-chunk"
 
 
+@pytest.mark.parametrize("case", ["bf16-staged", "bf16-W16-hd128"])
+def test_split_wait_is_bitwise_one_wait(rng, monkeypatch, case):
+    """The staged forward copies its write rows and its read rows as two commit groups and sums
+    X after the first has landed, Y after the second; -DSDM_FWD_ONE_WAIT copies both as one
+    group and sums both in one pass. The emulator lands a copy only at the wait that covers
+    it, so a pass that read a row before its group's wait would read a stale one. Readings,
+    final bank and snapshots bit for bit the same, with repeated slots, on a staged plan."""
+    from sdm_cupy.kernels import gpu
+    pkw, ckw, kn = CASES[case]
+    for k, v in kn.items():
+        monkeypatch.setattr(gpu, k, v)
+    pb = make_problem(rng, **dict(pkw, S=min(pkw["S"], 24)))   # slots repeat within a chunk
+    cfg = _cfg(pb, **ckw)
+    lay = sdm._validate.layout(pb.bank, *pb.inputs, cfg)
+    emu.patch(monkeypatch)
+    pl = gpu.plan(lay, cfg, quant=None, saves=True)
+    assert pl.rstage and pl.keep, f"{case}: not the staged plan"
+    inputs = _inputs(pb, lay)
+    outs = []
+    for macros in ((), ("-DSDM_FWD_ONE_WAIT",)):
+        emu.patch(monkeypatch, seed=len(outs) * 7919 + 3, macros=macros)
+        bank = pb.bank.copy()
+        r, snaps = gpu.sdm_fwd(lay, cfg, bank, *inputs, save_snapshots=True)
+        outs.append([a.copy() for a in (r, bank, snaps[0])])
+    gpu._PLANS.clear()
+    for name, a, b in zip(("readings", "final bank", "snapshots"), *outs):
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), \
+            f"{name}: the split wait and one wait differ"
+    r_ref, fin_ref = reference_fwd(pb)
+    ftol = TOL[np.dtype(pb.bank.dtype)][0]
+    assert_close(outs[0][0], r_ref, ftol, "readings")
+    assert_close(outs[0][1], fin_ref, ftol, "final bank")
+
+
 @pytest.mark.parametrize("W", [5, 40])
 def test_prepass_hash_tables_and_live_walks_are_bitwise_the_sort(rng, monkeypatch, W):
     """The pre-pass's hashed forms (and, for W <= 32, step 4 walking only the entries that step
