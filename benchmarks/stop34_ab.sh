@@ -10,6 +10,9 @@
 #          4 snapshot rows, 8 read slots' dM rows), forward+backward at W = 16 and W = 8
 #   plain  the same with one prefetch.global.L2 per 128-byte line (-DSDM_PF_PLAIN) instead of
 #          the bulk prefetches, which the first call measured 9-27% slower
+#   rows4  (branch wip/fwd-rows4) the staged forward copying its ids and weights as four arrays
+#          of one row plan (cp_rows4_pow2) against one cp_rows_pow2 each (-DSDM_FWD_ROWS_EACH),
+#          at W = 16 and W = 8
 #   suite  the GPU suite (benchmarks/gpu_check.py, 16 workers) with the time left (SUITE_S caps)
 #   bench  bench_gpu.py --quick (the headline and FLA's anchor; carry .whl)
 # fwdpf, bwdpf and plain ran at 4900398 (their macros were removed after: every variant was
@@ -44,6 +47,10 @@ for step in ${STEPS:-fwdpf bwdpf}; do
       ab new=$F p1=$F:"-DSDM_FWD_L2PF=1 $PL" p3=$F:"-DSDM_FWD_L2PF=3 $PL" new2=$F --W 16 --graph --check --reps 16
       ABT=200 ab base=$B p1=$B:"-DSDM_BWD_L2PF=1 $PL" p2=$B:"-DSDM_BWD_L2PF=2 $PL" base2=$B --source bwd --backward \
          --graph --reps 10 ;;
+    rows4)
+      RE=$F:-DSDM_FWD_ROWS_EACH
+      ab each=$RE new=$F each2=$RE new2=$F --W 16 --graph --check --reps 20
+      ab each=$RE new=$F each2=$RE new2=$F --W 8 --graph --check --reps 20 ;;
     suite)
       L=$(( $(left) - 10 ))
       L=$(( ${SUITE_S:-$L} < L ? ${SUITE_S:-$L} : L ))

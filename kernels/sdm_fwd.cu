@@ -177,10 +177,21 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
     const long long chunk = (long long)bp * Nt + n;
     const long long tokb = ((long long)b * T_ + t0) * P + p;
     // a token's W entries are contiguous in [B, T, P, W]: one row per token, P * W apart
-    cp_rows_pow2(g.wid, wi + tokb * W, L, W, (long long)P * W);
-    cp_rows_pow2(g.rid, ri + tokb * W, L, W, (long long)P * W);
-    cp_rows_pow2(g.aw, aw + tokb * W, L, W, (long long)P * W);
-    cp_rows_pow2(g.cw, cw + tokb * W, L, W, (long long)P * W);
+    // the staged instances copy the four arrays together (cp_rows4_pow2; in the RS = 0
+    // instances the joint form raised NVRTC's spills, e.g. 12/52 -> 108/300 bytes with
+    // sub-chunk snapshots); -DSDM_FWD_ROWS_EACH: one cp_rows_pow2 per array everywhere
+#ifndef SDM_FWD_ROWS_EACH
+    if constexpr (sizeof(I) == sizeof(A) && RS != 0) {
+      cp_rows4_pow2(g.wid, wi + tokb * W, g.rid, ri + tokb * W, g.aw, aw + tokb * W, g.cw,
+                    cw + tokb * W, L, W, (long long)P * W);
+    } else
+#endif
+    {
+      cp_rows_pow2(g.wid, wi + tokb * W, L, W, (long long)P * W);
+      cp_rows_pow2(g.rid, ri + tokb * W, L, W, (long long)P * W);
+      cp_rows_pow2(g.aw, aw + tokb * W, L, W, (long long)P * W);
+      cp_rows_pow2(g.cw, cw + tokb * W, L, W, (long long)P * W);
+    }
     for (int j = threadIdx.x; j < L; j += blockDim.x) cp_elem(g.beta + j, beta + tokb + (long long)j * P);
     if (!fused) {
       cp_rows_pow2(g.wrun, wrun_g + chunk * C * W, 1, Ne, 0);

@@ -230,10 +230,11 @@ def _bitwise_under_options(monkeypatch, pb, dr, options):
 @pytest.mark.parametrize("macros", ["-DSDM_FWD_GENERAL_GATHER", "-DSDM_FWD_REG_GATHER",
                                     "-DSDM_PREPASS_PLAIN_SORT", "-DSDM_PREPASS_KEY64",
                                     "-DSDM_PREPASS_SORT_WRITES", "-DSDM_PREPASS_BOTH_BODIES",
-                                    "-DSDM_FWD_ONE_WAIT", "-DSDM_BWD_NO_SNAP_STAGE",
+                                    "-DSDM_FWD_ONE_WAIT", "-DSDM_FWD_ROWS_EACH",
+                                    "-DSDM_BWD_NO_SNAP_STAGE",
                                     "-DSDM_L2_PREFETCH=0", "-DSDM_L2_PREFETCH=64"],
                          ids=["general_gather", "register_gather", "plain_sort", "key64",
-                              "sorted_writes", "both_key_bodies", "one_wait",
+                              "sorted_writes", "both_key_bodies", "one_wait", "rows_each",
                               "unstaged_snapshots", "no_l2_prefetch", "l2_prefetch_64"])
 @pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
 def test_compile_time_variants_leave_results_bitwise_equal(rng, monkeypatch, macros, dtype):
@@ -242,7 +243,8 @@ def test_compile_time_variants_leave_results_bitwise_equal(rng, monkeypatch, mac
     copied into shared memory with cp.async; the pre-pass's shared-memory-only sort, its
     64-bit sort keys where 32 bits suffice, the slots of both its forms sorted instead
     of hashed, and both key widths' bodies in one instance; the staged forward's write and
-    read rows as one commit group, summed in one pass; the backward's snapshots read
+    read rows as one commit group, summed in one pass; its ids and weights staged array by
+    array; the backward's snapshots read
     from global memory instead of staged; the row gathers' L2 prefetch size) change no bit of the
     forward (with snapshots), of the backward's exact-owner gradients (bank, values)
     or of the rewound bank."""
