@@ -27,15 +27,8 @@
 #   bash benchmarks/stop33_ab.sh
 set -u
 cd "$(dirname "$0")/.."
-T0=$(date +%s)
 BUDGET=${BUDGET:-570}
-left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.limit --format=csv,noheader
-python3 -m pip install -q --no-deps --no-build-isolation $(ls .whl/*.whl 2>/dev/null) -e . \
-    > ${OUT:-/tmp}/pip.log 2>&1 || { echo "pip install failed:"; tail -5 ${OUT:-/tmp}/pip.log; }
-cd benchmarks
-ab() { echo "== $* (elapsed $(( $(date +%s) - T0 )) s)"
-       timeout 150 python3 fwd_ab.py "$@" 2>&1 | grep -E "^\| [a-z]|bitwise|Error|error|forward"; }
+. benchmarks/device_lib.sh   # left, suite_step, bench_step, run_sanitize, ab
 P=../kernels/sdm_prepass.cu
 F=../kernels/sdm_fwd.cu
 FB=${FWD_BASE:-../.pre/sdm_fwd_main.cu}
@@ -61,21 +54,12 @@ for step in ${STEPS:-prepass fwd sanitize}; do
     final)   # the last form (split wait on the first form's copy loop) against both
       ab main=$FB prev=$FP new=$F --W 16 --graph --check --reps 16
       ab main=$FB prev=$FP new=$F --W 8 --graph --reps 16 ;;
-    suite)
-      L=$(( $(left) - 10 ))
-      L=$(( ${SUITE_S:-$L} < L ? ${SUITE_S:-$L} : L ))   # SUITE_S: leave the rest to later steps
-      echo "== suite, ${L} s"
-      (cd .. && PYTEST_TIMEOUT=$L PYTEST_DEADLINE=$(( $(date +%s) + L - 15 )) timeout $L \
-         python3 benchmarks/gpu_check.py --no-bench --pytest-args "-n 16" 2>&1 | tail -8) ;;
-    bench)   # the headline with FLA's anchor (carry .whl), its JSON and plot to $OUT
-      L=$(left)
-      echo "== bench, ${L} s left"
-      (timeout $L python3 bench_gpu.py --quick --out ${OUT:-.} 2>&1 | tail -16) ;;
+    suite) suite_step ;;
+    bench) bench_step ;;   # the headline with FLA's anchor (carry .whl), its JSON and plot to $OUT
     sanitize)
       L=$(left)
       echo "== sanitize, ${L} s left"
-      (cd .. && timeout $(( L + 15 )) python3 benchmarks/sanitize.py --timeout $L \
-         --tools memcheck,synccheck,racecheck,initcheck 2>&1 | tail -14) ;;
+      run_sanitize $L ;;
   esac
 done
 echo "total $(( $(date +%s) - T0 )) s"

@@ -21,15 +21,8 @@
 #   bash benchmarks/stop34_ab.sh
 set -u
 cd "$(dirname "$0")/.."
-T0=$(date +%s)
 BUDGET=${BUDGET:-570}
-left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.limit --format=csv,noheader
-python3 -m pip install -q --no-deps --no-build-isolation $(ls .whl/*.whl 2>/dev/null) -e . \
-    > ${OUT:-/tmp}/pip.log 2>&1 || { echo "pip install failed:"; tail -5 ${OUT:-/tmp}/pip.log; }
-cd benchmarks
-ab() { echo "== $* (elapsed $(( $(date +%s) - T0 )) s)"
-       timeout ${ABT:-150} python3 fwd_ab.py "$@" 2>&1 | grep -E "^\| [a-z]|bitwise|Error|error|forward"; }
+. benchmarks/device_lib.sh   # left, suite_step, bench_step, ab
 F=../kernels/sdm_fwd.cu
 B=../kernels/sdm_bwd.cu
 for step in ${STEPS:-fwdpf bwdpf}; do
@@ -51,16 +44,8 @@ for step in ${STEPS:-fwdpf bwdpf}; do
       RE=$F:-DSDM_FWD_ROWS_EACH
       ab each=$RE new=$F each2=$RE new2=$F --W 16 --graph --check --reps 20
       ab each=$RE new=$F each2=$RE new2=$F --W 8 --graph --check --reps 20 ;;
-    suite)
-      L=$(( $(left) - 10 ))
-      L=$(( ${SUITE_S:-$L} < L ? ${SUITE_S:-$L} : L ))
-      echo "== suite, ${L} s"
-      (cd .. && PYTEST_TIMEOUT=$L PYTEST_DEADLINE=$(( $(date +%s) + L - 15 )) timeout $L \
-         python3 benchmarks/gpu_check.py --no-bench --pytest-args "-n 16" 2>&1 | tail -8) ;;
-    bench)
-      L=$(left)
-      echo "== bench, ${L} s left"
-      (timeout $L python3 bench_gpu.py --quick --out ${OUT:-.} 2>&1 | tail -16) ;;
+    suite) suite_step ;;
+    bench) bench_step ;;   # the headline with FLA's anchor (carry .whl), its JSON and plot to $OUT
   esac
 done
 echo "total $(( $(date +%s) - T0 )) s"
