@@ -11,6 +11,10 @@
 #             16-byte pieces with the row pointers element by element
 #   fwdspans  the staged forward's run links, CSR values and columns as one list of pieces,
 #             its row pointers element by element (-DSDM_FWD_SPANS), at W = 16 and W = 8
+#   late      (branch wip/late-prefetch) the staged forward issuing chunk n+1's copies after
+#             chunk n's row copies, as a third commit group (-DSDM_FWD_LATE_PF), W = 16 and 8
+#   bwdlate   the backward issuing a chunk's snapshot copies before chunk n-1's copies and
+#             the wait for its own (-DSDM_BWD_LATE_PF), forward+backward at W = 16 and 8
 #   suite     the GPU suite (benchmarks/gpu_check.py, 16 workers) with the time left
 #             (SUITE_S caps)
 #   bench     bench_gpu.py --quick (the headline and FLA's anchor; carry .whl)
@@ -43,6 +47,16 @@ for step in ${STEPS:-bwdstart fwdspans}; do
          --check --reps 20
       ab new=$F spans=$F:-DSDM_FWD_SPANS new2=$F spans2=$F:-DSDM_FWD_SPANS --W 8 --graph \
          --check --reps 20 ;;
+    late)   # branch wip/late-prefetch: chunk n+1's copies after chunk n's row copies
+      ab new=$F late=$F:-DSDM_FWD_LATE_PF new2=$F late2=$F:-DSDM_FWD_LATE_PF --W 16 --graph \
+         --check --reps 20
+      ab new=$F late=$F:-DSDM_FWD_LATE_PF new2=$F late2=$F:-DSDM_FWD_LATE_PF --W 8 --graph \
+         --check --reps 20 ;;
+    bwdlate)   # the backward's snapshot copies before chunk n-1's copies and the wait
+      ABT=300 ab base=$B late=$B:-DSDM_BWD_LATE_PF base2=$B late2=$B:-DSDM_BWD_LATE_PF \
+         --source bwd --backward --graph --check --reps 12 --W 16
+      ABT=200 ab base=$B late=$B:-DSDM_BWD_LATE_PF base2=$B late2=$B:-DSDM_BWD_LATE_PF \
+         --source bwd --backward --graph --reps 12 --W 8 ;;
     suite) suite_step ;;
     bench) bench_step ;;   # the headline with FLA's anchor (carry .whl), its JSON and plot to $OUT
   esac

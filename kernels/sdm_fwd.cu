@@ -141,6 +141,16 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
   const bool rowcp = FIX ? fast : fast && kept && Q <= 1;
 #endif
   const bool rstage = RS && rowcp;
+  // LATE (experiment, -DSDM_FWD_LATE_PF; the staged instance's split-wait gather only): chunk
+  // n+1's bank-independent copies are issued after chunk n's row copies instead of before
+  // them, so that the row copies, which every later step waits on, leave first; chunk n+1
+  // then waits for its copies at its start (they were issued a whole gather earlier)
+#if defined(SDM_FWD_LATE_PF) && !defined(SDM_FWD_ONE_WAIT) && !defined(SDM_FWD_REG_GATHER) && \
+    !defined(SDM_FWD_GENERAL_GATHER) && !defined(SDM_FWD_CLUSTER)
+  constexpr bool LATE = FIX;
+#else
+  constexpr bool LATE = false;
+#endif
 #ifdef SDM_FWD_CLUSTER
   constexpr int CL = SDM_FWD_CLUSTER;
   if (CB > 0) __trap();   // its kept rows are whole rows: the sub-chunk pass reads tiles
@@ -225,7 +235,9 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
     const int t0 = n * C, L = min(C, T_ - t0), Ne = L * W;
     const long long chunk = (long long)bp * Nt + n;
     const long long tokb = ((long long)b * T_ + t0) * P + p;     // [B, T, P] row of token t0
-    if (n + 1 < Nt) {   // the other stage was released by the barrier that ended chunk n - 1
+    if (LATE) {   // chunk n's copies: the last group chunk n - 1 (or the launch) issued
+      cp_wait<0>();
+    } else if (n + 1 < Nt) {   // the other stage was released by the barrier that ended chunk n - 1
       prefetch(n + 1);
       cp_wait<1>();
     } else {
@@ -426,6 +438,12 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
                        bank_b + (long long)(valid_id(jd, S) ? jd : 0) * D + cc);
         }
         cp_commit();
+        // LATE: chunk n+1's copies as a third group (an empty one after the last chunk, so
+        // that the passes' waits count three groups every time)
+        if (LATE) {
+          if (n + 1 < Nt) prefetch(n + 1);
+          else cp_commit();
+        }
       }
       for (int base = 0; base < (rstage ? 0 : total); base += blockDim.x) {
         const int task = base + threadIdx.x, ws = task % WS, tp = task / WS;
@@ -482,8 +500,14 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
 #pragma unroll
       for (int pass = 0; pass < NPASS; ++pass) {
       const bool dx = pass == 0, dy = rstage && pass == NPASS - 1;
-      if (SPLIT && pass == 0) cp_wait<1>();
-      else cp_wait<0>();
+      if (LATE) {   // the newest group (chunk n+1's copies) stays in flight
+        if (pass == 0) cp_wait<2>();
+        else cp_wait<1>();
+      } else if (SPLIT && pass == 0) {
+        cp_wait<1>();
+      } else {
+        cp_wait<0>();
+      }
       __syncthreads();
       for (int base = 0; base < total; base += blockDim.x) {
         const int task = base + threadIdx.x, ws = task % WS, tp = task / WS;
