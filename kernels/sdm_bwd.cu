@@ -257,14 +257,6 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
   constexpr bool DM16 = false;
 #endif
   const bool dst = DM16 && sst && ssnap == 2;
-  // late (experiment, -DSDM_BWD_LATE_PF; staged snapshots without the dM stage): a chunk's
-  // snapshot copies leave at its start, before chunk n-1's bank-independent copies and
-  // before the wait for its own (they need neither), instead of after both
-#ifdef SDM_BWD_LATE_PF
-  const bool late = sst && !dst;
-#else
-  constexpr bool late = false;
-#endif
 
   auto stage = [&](int n) {
     BwdStage<V, A, I> g;
@@ -326,20 +318,12 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
     const int t0 = n * C, L = min(C, T_ - t0), Ne = L * W;
     const long long chunk = (long long)bp * nseg + (n - n_lo);
     const long long tokb = ((long long)b * T_ + t0) * P + p;
-    if (late) {   // groups: chunk n's copies, its snapshots, chunk n-1's copies (or none)
-      for (int i = threadIdx.x; i < Ne * NPC; i += blockDim.x) {
-        const int e = divNPC.div(i), cc = (i - e * NPC) * N, t = divW.div(e);
-        cp_async_row(SN_s + (long long)e * TWP + cc,
-                     snap + ((tokb + (long long)t * P) * W + (e - t * W)) * hd + c0 + cc);
-      }
-      cp_commit();
+    if (n > n_lo) {   // the other stage was released by the barrier that ended chunk n + 1
+      prefetch(n - 1);
+      cp_wait<1>();
+    } else {
+      cp_wait<0>();
     }
-    // the other stage was released by the barrier that ended chunk n + 1
-    if (n > n_lo) prefetch(n - 1);
-    else if (late) cp_commit();
-    if (late) cp_wait<2>();
-    else if (n > n_lo) cp_wait<1>();
-    else cp_wait<0>();
     __syncthreads();
     const int nnz = g.ptr[4 * C];
     const A* ev = nnz <= BE_STAGE ? g.ev : sp_val + chunk * 2 * C * C;
@@ -423,14 +407,12 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
     // linked reads and bad ids load row 0); pass B, once the copies have landed, takes X and
     // the linked reads' M0 from SN_s. Same terms in the same order as round1.
     auto round1s = [&]() {
-      if (!late) {
-        for (int i = threadIdx.x; i < Ne * NPC; i += blockDim.x) {
-          const int e = divNPC.div(i), cc = (i - e * NPC) * N, t = divW.div(e);
-          cp_async_row(SN_s + (long long)e * TWP + cc,
-                       snap + ((tokb + (long long)t * P) * W + (e - t * W)) * hd + c0 + cc);
-        }
-        cp_commit();
+      for (int i = threadIdx.x; i < Ne * NPC; i += blockDim.x) {
+        const int e = divNPC.div(i), cc = (i - e * NPC) * N, t = divW.div(e);
+        cp_async_row(SN_s + (long long)e * TWP + cc,
+                     snap + ((tokb + (long long)t * P) * W + (e - t * W)) * hd + c0 + cc);
       }
+      cp_commit();
       for (int base = 0; base < total; base += blockDim.x) {
         const int task = base + threadIdx.x, ws = task % WS, tp = task / WS;
         const bool act = task < total;
@@ -523,8 +505,7 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
           }
         }
       }
-      if (late) cp_wait<1>();   // the snapshots (chunk n-1's copies may stay in flight)
-      else cp_wait<0>();
+      cp_wait<0>();
       __syncthreads();
       for (int base = 0; base < total; base += blockDim.x) {
         const int task = base + threadIdx.x, ws = task % WS, tp = task / WS;

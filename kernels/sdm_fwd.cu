@@ -141,11 +141,12 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
   const bool rowcp = FIX ? fast : fast && kept && Q <= 1;
 #endif
   const bool rstage = RS && rowcp;
-  // LATE (experiment, -DSDM_FWD_LATE_PF; the staged instance's split-wait gather only): chunk
-  // n+1's bank-independent copies are issued after chunk n's row copies instead of before
-  // them, so that the row copies, which every later step waits on, leave first; chunk n+1
-  // then waits for its copies at its start (they were issued a whole gather earlier)
-#if defined(SDM_FWD_LATE_PF) && !defined(SDM_FWD_ONE_WAIT) && !defined(SDM_FWD_REG_GATHER) && \
+  // LATE (the staged instance's split-wait gather): chunk n+1's bank-independent copies are
+  // issued after chunk n's row copies instead of before them, so that the row copies, which
+  // every later step waits on, leave first; chunk n+1 waits for its copies at its start
+  // (issued a whole gather earlier). Stop 35, H100 headline, graph replays: forward 0.945 ->
+  // 0.935 ms at W = 16, 0.567 -> 0.534 at W = 8, bitwise equal; -DSDM_FWD_EARLY_PF: before
+#if !defined(SDM_FWD_EARLY_PF) && !defined(SDM_FWD_ONE_WAIT) && !defined(SDM_FWD_REG_GATHER) && \
     !defined(SDM_FWD_GENERAL_GATHER) && !defined(SDM_FWD_CLUSTER)
   constexpr bool LATE = FIX;
 #else

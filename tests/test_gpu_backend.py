@@ -231,10 +231,12 @@ def _bitwise_under_options(monkeypatch, pb, dr, options):
                                     "-DSDM_PREPASS_PLAIN_SORT", "-DSDM_PREPASS_KEY64",
                                     "-DSDM_PREPASS_SORT_WRITES", "-DSDM_PREPASS_BOTH_BODIES",
                                     "-DSDM_FWD_ONE_WAIT", "-DSDM_FWD_ROWS_EACH",
+                                    "-DSDM_FWD_EARLY_PF",
                                     "-DSDM_BWD_NO_SNAP_STAGE",
                                     "-DSDM_L2_PREFETCH=0", "-DSDM_L2_PREFETCH=64"],
                          ids=["general_gather", "register_gather", "plain_sort", "key64",
                               "sorted_writes", "both_key_bodies", "one_wait", "rows_each",
+                              "early_copies",
                               "unstaged_snapshots", "no_l2_prefetch", "l2_prefetch_64"])
 @pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
 def test_compile_time_variants_leave_results_bitwise_equal(rng, monkeypatch, macros, dtype):
