@@ -11,10 +11,12 @@
 #             16-byte pieces with the row pointers element by element
 #   fwdspans  the staged forward's run links, CSR values and columns as one list of pieces,
 #             its row pointers element by element (-DSDM_FWD_SPANS), at W = 16 and W = 8
-#   late      (branch wip/late-prefetch) the staged forward issuing chunk n+1's copies after
-#             chunk n's row copies, as a third commit group (-DSDM_FWD_LATE_PF), W = 16 and 8
+#   late      the staged forward issuing chunk n+1's copies after chunk n's row copies, as a
+#             third commit group (landed in stop 35) against before them (-DSDM_FWD_EARLY_PF;
+#             at a3c4660 the experiment was opt-in, -DSDM_FWD_LATE_PF), W = 16 and 8
 #   bwdlate   the backward issuing a chunk's snapshot copies before chunk n-1's copies and
-#             the wait for its own (-DSDM_BWD_LATE_PF), forward+backward at W = 16 and 8
+#             the wait for its own (-DSDM_BWD_LATE_PF), forward+backward at W = 16 and 8; it
+#             ran at a3c4660 (branch wip/late-prefetch) and was not merged (no clear gain)
 #   suite     the GPU suite (benchmarks/gpu_check.py, 16 workers) with the time left
 #             (SUITE_S caps)
 #   bench     bench_gpu.py --quick (the headline and FLA's anchor; carry .whl)
@@ -47,11 +49,11 @@ for step in ${STEPS:-bwdstart fwdspans}; do
          --check --reps 20
       ab new=$F spans=$F:-DSDM_FWD_SPANS new2=$F spans2=$F:-DSDM_FWD_SPANS --W 8 --graph \
          --check --reps 20 ;;
-    late)   # branch wip/late-prefetch: chunk n+1's copies after chunk n's row copies
-      ab new=$F late=$F:-DSDM_FWD_LATE_PF new2=$F late2=$F:-DSDM_FWD_LATE_PF --W 16 --graph \
-         --check --reps 20
-      ab new=$F late=$F:-DSDM_FWD_LATE_PF new2=$F late2=$F:-DSDM_FWD_LATE_PF --W 8 --graph \
-         --check --reps 20 ;;
+    late)   # chunk n+1's copies after chunk n's row copies (landed: -DSDM_FWD_EARLY_PF before)
+      ab early=$F:-DSDM_FWD_EARLY_PF late=$F early2=$F:-DSDM_FWD_EARLY_PF late2=$F --W 16 \
+         --graph --check --reps 20
+      ab early=$F:-DSDM_FWD_EARLY_PF late=$F early2=$F:-DSDM_FWD_EARLY_PF late2=$F --W 8 \
+         --graph --check --reps 20 ;;
     bwdlate)   # the backward's snapshot copies before chunk n-1's copies and the wait
       ABT=300 ab base=$B late=$B:-DSDM_BWD_LATE_PF base2=$B late2=$B:-DSDM_BWD_LATE_PF \
          --source bwd --backward --graph --check --reps 12 --W 16
