@@ -13,7 +13,8 @@
 #             its row pointers element by element (-DSDM_FWD_SPANS), at W = 16 and W = 8
 #   late      the staged forward issuing chunk n+1's copies after chunk n's row copies, as a
 #             third commit group (landed in stop 35) against before them (-DSDM_FWD_EARLY_PF;
-#             at a3c4660 the experiment was opt-in, -DSDM_FWD_LATE_PF), W = 16 and 8
+#             at a3c4660 the experiment was opt-in, -DSDM_FWD_LATE_PF), at the shapes in
+#             SHAPES (default "16 8": W = 16 and W = 8; also "32", "S4096", "f32")
 #   bwdlate   the backward issuing a chunk's snapshot copies before chunk n-1's copies and
 #             the wait for its own (-DSDM_BWD_LATE_PF), forward+backward at W = 16 and 8; it
 #             ran at a3c4660 (branch wip/late-prefetch) and was not merged (no clear gain)
@@ -50,10 +51,15 @@ for step in ${STEPS:-bwdstart fwdspans}; do
       ab new=$F spans=$F:-DSDM_FWD_SPANS new2=$F spans2=$F:-DSDM_FWD_SPANS --W 8 --graph \
          --check --reps 20 ;;
     late)   # chunk n+1's copies after chunk n's row copies (landed: -DSDM_FWD_EARLY_PF before)
-      ab early=$F:-DSDM_FWD_EARLY_PF late=$F early2=$F:-DSDM_FWD_EARLY_PF late2=$F --W 16 \
-         --graph --check --reps 20
-      ab early=$F:-DSDM_FWD_EARLY_PF late=$F early2=$F:-DSDM_FWD_EARLY_PF late2=$F --W 8 \
-         --graph --check --reps 20 ;;
+      for sh in ${SHAPES:-16 8}; do
+        case $sh in
+          S4096) X="--S 4096" ;;
+          f32) X="--float32" ;;
+          *) X="--W $sh" ;;
+        esac
+        ab early=$F:-DSDM_FWD_EARLY_PF late=$F early2=$F:-DSDM_FWD_EARLY_PF late2=$F --graph \
+           --check --reps 20 $X
+      done ;;
     bwdlate)   # the backward's snapshot copies before chunk n-1's copies and the wait
       ABT=300 ab base=$B late=$B:-DSDM_BWD_LATE_PF base2=$B late2=$B:-DSDM_BWD_LATE_PF \
          --source bwd --backward --graph --check --reps 12 --W 16
