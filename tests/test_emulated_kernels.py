@@ -357,18 +357,16 @@ def test_sub_chunk_snapshots_in_the_scatter_are_the_separate_passes(rng, monkeyp
     assert not np.array_equal(outs[0][2], outs[2][2]), "no snapshot of a later sub-chunk"
 
 
-@pytest.mark.parametrize("case", ["bf16-staged", "bf16-W16-hd128"])
-def test_split_wait_is_bitwise_one_wait(rng, monkeypatch, case):
-    """The staged forward copies its write rows and its read rows as two commit groups and sums
-    X after the first has landed, Y after the second; -DSDM_FWD_ONE_WAIT copies both as one
-    group and sums both in one pass. The emulator lands a copy only at the wait that covers
-    it, so a pass that read a row before its group's wait would read a stale one. Readings,
-    final bank and snapshots bit for bit the same, with repeated slots, on a staged plan."""
+def _staged_forward_against(rng, monkeypatch, case, macros, seed, what):
+    """The staged forward of CASES[case] (slots repeated within a chunk) built as it is and
+    with ``macros``: readings, final bank and snapshots bit for bit the same, and the first
+    build's readings and final bank against the float64 reference. Returns the plan and
+    the problem."""
     from sdm_cupy.kernels import gpu
     pkw, ckw, kn = CASES[case]
     for k, v in kn.items():
         monkeypatch.setattr(gpu, k, v)
-    pb = make_problem(rng, **dict(pkw, S=min(pkw["S"], 24)))   # slots repeat within a chunk
+    pb = make_problem(rng, **dict(pkw, S=min(pkw["S"], 24)))
     cfg = _cfg(pb, **ckw)
     lay = sdm._validate.layout(pb.bank, *pb.inputs, cfg)
     emu.patch(monkeypatch)
@@ -376,19 +374,30 @@ def test_split_wait_is_bitwise_one_wait(rng, monkeypatch, case):
     assert pl.rstage and pl.keep, f"{case}: not the staged plan"
     inputs = _inputs(pb, lay)
     outs = []
-    for macros in ((), ("-DSDM_FWD_ONE_WAIT",)):
-        emu.patch(monkeypatch, seed=len(outs) * 7919 + 3, macros=macros)
+    for ms in ((), macros):
+        emu.patch(monkeypatch, seed=len(outs) * 7919 + seed, macros=ms)
         bank = pb.bank.copy()
         r, snaps = gpu.sdm_fwd(lay, cfg, bank, *inputs, save_snapshots=True)
         outs.append([a.copy() for a in (r, bank, snaps[0])])
     gpu._PLANS.clear()
     for name, a, b in zip(("readings", "final bank", "snapshots"), *outs):
-        assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), \
-            f"{name}: the split wait and one wait differ"
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), f"{name}: {what} differ"
     r_ref, fin_ref = reference_fwd(pb)
     ftol = TOL[np.dtype(pb.bank.dtype)][0]
     assert_close(outs[0][0], r_ref, ftol, "readings")
     assert_close(outs[0][1], fin_ref, ftol, "final bank")
+    return pl, pb
+
+
+@pytest.mark.parametrize("case", ["bf16-staged", "bf16-W16-hd128"])
+def test_split_wait_is_bitwise_one_wait(rng, monkeypatch, case):
+    """The staged forward copies its write rows and its read rows as two commit groups and sums
+    X after the first has landed, Y after the second; -DSDM_FWD_ONE_WAIT copies both as one
+    group and sums both in one pass. The emulator lands a copy only at the wait that covers
+    it, so a pass that read a row before its group's wait would read a stale one. Readings,
+    final bank and snapshots bit for bit the same, with repeated slots, on a staged plan."""
+    _staged_forward_against(rng, monkeypatch, case, ("-DSDM_FWD_ONE_WAIT",), 3,
+                            "the split wait and one wait")
 
 
 @pytest.mark.parametrize("case", ["bf16-staged", "bf16-W16-hd128"])
@@ -397,36 +406,13 @@ def test_late_copies_are_bitwise_the_early_ones(rng, monkeypatch, case):
     copies, as a third commit group, and waits for them at chunk n+1's start;
     -DSDM_FWD_EARLY_PF issues them before the row copies, as the first group. The emulator
     lands a copy at once or at the wait that covers it, so a wait that counted the groups
-    wrong would read stale rows or stage data (a pass-0 wait or a chunk-start wait one group
-    short fails this test; both checked by hand). Readings, final bank and snapshots bit for bit the same, with
-    repeated slots and a last chunk shorter than C, on staged plans; both match the float64
-    reference."""
-    from sdm_cupy.kernels import gpu
-    pkw, ckw, kn = CASES[case]
-    for k, v in kn.items():
-        monkeypatch.setattr(gpu, k, v)
-    pb = make_problem(rng, **dict(pkw, S=min(pkw["S"], 24)))   # slots repeat within a chunk
-    cfg = _cfg(pb, **ckw)
-    lay = sdm._validate.layout(pb.bank, *pb.inputs, cfg)
-    emu.patch(monkeypatch)
-    pl = gpu.plan(lay, cfg, quant=None, saves=True)
-    assert pl.rstage and pl.keep, f"{case}: not the staged plan"
+    wrong would read stale rows or stage data (a pass-0 wait or a chunk-start wait one
+    group short fails this test; both checked by hand). Readings, final bank and snapshots
+    bit for bit the same, with repeated slots and a last chunk shorter than C, on staged
+    plans; both match the float64 reference."""
+    pl, pb = _staged_forward_against(rng, monkeypatch, case, ("-DSDM_FWD_EARLY_PF",), 5,
+                                     "the late copies and the early ones")
     assert pl.Nt > 1 and pb.T % pl.C, f"{case}: one chunk, or whole chunks only"
-    inputs = _inputs(pb, lay)
-    outs = []
-    for macros in ((), ("-DSDM_FWD_EARLY_PF",)):
-        emu.patch(monkeypatch, seed=len(outs) * 7919 + 5, macros=macros)
-        bank = pb.bank.copy()
-        r, snaps = gpu.sdm_fwd(lay, cfg, bank, *inputs, save_snapshots=True)
-        outs.append([a.copy() for a in (r, bank, snaps[0])])
-    gpu._PLANS.clear()
-    for name, a, b in zip(("readings", "final bank", "snapshots"), *outs):
-        assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), \
-            f"{name}: the late copies and the early ones differ"
-    r_ref, fin_ref = reference_fwd(pb)
-    ftol = TOL[np.dtype(pb.bank.dtype)][0]
-    assert_close(outs[0][0], r_ref, ftol, "readings")
-    assert_close(outs[0][1], fin_ref, ftol, "final bank")
 
 
 @pytest.mark.parametrize("W", [5, 40])
