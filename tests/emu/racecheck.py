@@ -8,6 +8,8 @@ there by design, each with the reason it is harmless on the GPU. A pair not in K
 the run (exit status 1).
 
     python tests/emu/racecheck.py   # the cases of CASES; up to 2 min a case, cold build cache
+    SDM_RACECHECK_MACROS="-DSDM_FWD_PIPE" SDM_RACECHECK_KNOBS="BWD_DM_STAGE=0" python ...
+                                    # a compile-time variant, with gpu knobs set
 
 TSan sees only the interleavings that the emulator runs, and only pairs of accesses that no
 barrier orders; it cannot tell a harmless same-value store from a harmful one, hence KNOWN."""
@@ -74,6 +76,13 @@ CASES = [   # (dtype, chunk, B, T, P, hd, S, W): S small so that slots repeat
     ("f64", 1, 1, 9, 2, 16, 12, 5),
 ]
 
+# a compile-time variant and gpu knobs for every case (benchmark macros, plan choices):
+#   SDM_RACECHECK_MACROS="-DSDM_FWD_PIPE -DSDM_BWD_PIPE" SDM_RACECHECK_KNOBS="BWD_DM_STAGE=0"
+MACROS = tuple(os.environ.get("SDM_RACECHECK_MACROS", "").split())
+KNOBS = {k: bool(int(v)) if v in ("0", "1") else int(v)
+         for k, _, v in (x.partition("=") for x in os.environ.get("SDM_RACECHECK_KNOBS", "").split(","))
+         if k}
+
 CHILD = r"""
 import sys
 sys.path.insert(0, {tests!r})
@@ -81,7 +90,9 @@ import numpy as np, pytest, emu, sdm_cupy as sdm
 from sdm_cupy.kernels import gpu
 from helpers import make_problem, BF16
 dt = {{"f32": np.float32, "bf16": BF16, "f64": np.float64}}[{dt!r}]
-mp = pytest.MonkeyPatch(); emu.patch(mp, seed=3)
+mp = pytest.MonkeyPatch(); emu.patch(mp, seed=3, macros={macros!r})
+for k, v in {knobs!r}.items():
+    mp.setattr(gpu, k, v)
 rng = np.random.default_rng(0)
 pb = make_problem(rng, B={B}, T={T}, P={P}, hd={hd}, S={S}, W={W}, dtype=dt)
 cfg = sdm.SDMConfig(num_memory_slots=pb.S, num_parallel=pb.P, chunk_size={C})
@@ -147,7 +158,8 @@ def main() -> int:
     found = {}
     ok = True
     for dt, C, B, T, P, hd, S, W in CASES:
-        code = CHILD.format(tests=TESTS, dt=dt, C=C, B=B, T=T, P=P, hd=hd, S=S, W=W)
+        code = CHILD.format(tests=TESTS, dt=dt, C=C, B=B, T=T, P=P, hd=hd, S=S, W=W,
+                            macros=MACROS, knobs=KNOBS)
         r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                            cwd="/", timeout=1800)
         log = r.stdout + r.stderr
