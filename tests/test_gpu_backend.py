@@ -246,8 +246,9 @@ def test_compile_time_variants_leave_results_bitwise_equal(rng, monkeypatch, mac
     64-bit sort keys where 32 bits suffice, the slots of both its forms sorted instead
     of hashed, and both key widths' bodies in one instance; the staged forward's write and
     read rows as one commit group, summed in one pass; its ids and weights staged array by
-    array; the backward's snapshots read
-    from global memory instead of staged; the row gathers' L2 prefetch size) change no bit of the
+    array; its next chunk's copies issued before the row copies; the backward's snapshots
+    read from global memory instead of staged; the row gathers' L2 prefetch size) change no
+    bit of the
     forward (with snapshots), of the backward's exact-owner gradients (bank, values)
     or of the rewound bank."""
     pb = make_problem(rng, B=2, T=150, P=2, hd=32, S=300, W=12, dtype=dtype)
