@@ -145,10 +145,18 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
   // issued after chunk n's row copies instead of before them, so that the row copies, which
   // every later step waits on, leave first; chunk n+1 waits for its copies at its start
   // (issued a whole gather earlier). Stop 35, H100 headline, graph replays: forward 0.945 ->
-  // 0.935 ms at W = 16, 0.567 -> 0.534 at W = 8, bitwise equal; -DSDM_FWD_EARLY_PF: before
+  // 0.935 ms at W = 16, 0.567 -> 0.534 at W = 8, bitwise equal; -DSDM_FWD_EARLY_PF: before.
+  // Only for 2-byte banks: with float32 rows (twice the bytes per row copy) the late copies
+  // cost 3% (stop 36, H100, W = 16: 1.670 ms early, 1.720 late), while 2-byte banks gained at
+  // every shape tried (W = 4: -11%, W = 32: -2.4%, S = 4096: -0.5%); -DSDM_FWD_LATE_WIDE: late
+  // for every bank type (the stop 35 form)
 #if !defined(SDM_FWD_EARLY_PF) && !defined(SDM_FWD_ONE_WAIT) && !defined(SDM_FWD_REG_GATHER) && \
     !defined(SDM_FWD_GENERAL_GATHER) && !defined(SDM_FWD_CLUSTER)
+#ifdef SDM_FWD_LATE_WIDE
   constexpr bool LATE = FIX;
+#else
+  constexpr bool LATE = FIX && sizeof(T) == 2;
+#endif
 #else
   constexpr bool LATE = false;
 #endif

@@ -357,14 +357,14 @@ def test_sub_chunk_snapshots_in_the_scatter_are_the_separate_passes(rng, monkeyp
     assert not np.array_equal(outs[0][2], outs[2][2]), "no snapshot of a later sub-chunk"
 
 
-def _staged_forward_against(rng, monkeypatch, case, macros, seed, what):
-    """The staged forward of CASES[case] (slots repeated within a chunk) built as it is and
-    with ``macros``: readings, final bank and snapshots bit for bit the same, and the first
-    build's readings and final bank against the float64 reference. Returns the plan and
-    the problem."""
+def _staged_forward_against(rng, monkeypatch, case, macros, seed, what, knobs=None):
+    """The staged forward of CASES[case] (slots repeated within a chunk; ``knobs`` set more
+    gpu knobs) built as it is and with ``macros``: readings, final bank and snapshots bit for
+    bit the same, and the first build's readings and final bank against the float64
+    reference. Returns the plan and the problem."""
     from sdm_cupy.kernels import gpu
     pkw, ckw, kn = CASES[case]
-    for k, v in kn.items():
+    for k, v in dict(kn, **(knobs or {})).items():
         monkeypatch.setattr(gpu, k, v)
     pb = make_problem(rng, **dict(pkw, S=min(pkw["S"], 24)))
     cfg = _cfg(pb, **ckw)
@@ -400,18 +400,22 @@ def test_split_wait_is_bitwise_one_wait(rng, monkeypatch, case):
                             "the split wait and one wait")
 
 
-@pytest.mark.parametrize("case", ["bf16-staged", "bf16-W16-hd128"])
-def test_late_copies_are_bitwise_the_early_ones(rng, monkeypatch, case):
-    """The staged forward issues chunk n+1's bank-independent copies after chunk n's row
-    copies, as a third commit group, and waits for them at chunk n+1's start;
-    -DSDM_FWD_EARLY_PF issues them before the row copies, as the first group. The emulator
-    lands a copy at once or at the wait that covers it, so a wait that counted the groups
-    wrong would read stale rows or stage data (a pass-0 wait or a chunk-start wait one
+@pytest.mark.parametrize("case,macro", [("bf16-staged", "-DSDM_FWD_EARLY_PF"),
+                                        ("bf16-W16-hd128", "-DSDM_FWD_EARLY_PF"),
+                                        ("f32", "-DSDM_FWD_LATE_WIDE")])
+def test_late_copies_are_bitwise_the_early_ones(rng, monkeypatch, case, macro):
+    """The staged forward with a 2-byte bank issues chunk n+1's bank-independent copies after
+    chunk n's row copies, as a third commit group, and waits for them at chunk n+1's start;
+    -DSDM_FWD_EARLY_PF issues them before the row copies, as the first group. With a float32
+    bank the early copies are the default and -DSDM_FWD_LATE_WIDE builds the late ones. The
+    emulator lands a copy at once or at the wait that covers it, so a wait that counted the
+    groups wrong would read stale rows or stage data (a pass-0 wait or a chunk-start wait one
     group short fails this test; both checked by hand). Readings, final bank and snapshots
     bit for bit the same, with repeated slots and a last chunk shorter than C, on staged
     plans; both match the float64 reference."""
-    pl, pb = _staged_forward_against(rng, monkeypatch, case, ("-DSDM_FWD_EARLY_PF",), 5,
-                                     "the late copies and the early ones")
+    pl, pb = _staged_forward_against(rng, monkeypatch, case, (macro,), 5,
+                                     "the late copies and the early ones",
+                                     knobs=dict(STAGE_READS=True))
     assert pl.Nt > 1 and pb.T % pl.C, f"{case}: one chunk, or whole chunks only"
 
 
