@@ -30,6 +30,7 @@ import argparse
 import os
 import glob
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -254,6 +255,10 @@ def main() -> int:
     ap.add_argument("--tools", default=",".join(TOOLS))
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--timeout", type=int, default=480, help="seconds for all tools together")
+    ap.add_argument("--sanitizer-args", default="", metavar="ARGS",
+                    help="more compute-sanitizer options, e.g. '--kernel-name-exclude "
+                         "kns=sdm_prepass' to list the other kernels' reports past the "
+                         "pre-pass's first thousand")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--no-check", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--no-pool", action="store_true", help=argparse.SUPPRESS)
@@ -290,7 +295,8 @@ def main() -> int:
             print(f"{tool}: skipped (time)", flush=True)
             continue
         t = time.time()
-        cmd = [_sanitizer(), "--tool", tool, *COMMON_ARGS, *TOOL_ARGS.get(tool, []), *me,
+        cmd = [_sanitizer(), "--tool", tool, *COMMON_ARGS, *TOOL_ARGS.get(tool, []),
+               *shlex.split(args.sanitizer_args), *me,
                "--no-check", "--no-pool"]
         try:
             text, rc = _run(cmd, budget)
