@@ -12,11 +12,13 @@ import concurrent.futures
 import multiprocessing
 import os
 import re
+import sys
 
 import pytest
 
 pytest.importorskip("cuda.bindings.nvrtc")
 
+import early  # noqa: E402
 from sdm_cupy.kernels import _build  # noqa: E402
 
 pytestmark = pytest.mark.nvrtc
@@ -82,22 +84,58 @@ def test_headers_are_found():
         assert os.path.isfile(os.path.join(d, h)), h
 
 
-def test_all_kernels_compile_for_sm90():
+def _compile_all() -> None:
+    """The child process of test_all_kernels_compile_for_sm90: every module of
+    ``_build.module_specs()`` through NVRTC, one process per core, biggest first (so that the
+    pool ends evenly); one JSON line per module on stdout: source, first name, how many names
+    it asked for and got lowered, the cubin's size and the log's start."""
+    import json
     specs = _build.module_specs()
-    # biggest modules first, so that the pool ends evenly
     specs.sort(key=lambda s: -len(s[3]) * (2 if s[0] == "bwd" else 1))
     workers = max(1, min(len(specs), os.cpu_count() or 1))
-    # fresh interpreters, not forks: by now other tests may have started threads (JAX's), and
-    # a fork taken while one of them holds a lock can deadlock the child
+    # fresh interpreters, not forks (JAX's threads, where this runs inside pytest)
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
         futures = [(src, names, pool.submit(_build.nvrtc_compile, src, text, opts, names))
                    for src, text, opts, names in specs]
         for src, names, fut in futures:
             log, lowered, cubin = fut.result()
-            assert len(lowered) == len(names)
-            assert len(cubin) > 0, src
-            assert "warning" not in log.lower(), f"{src} {names[0]}: {log[:3000]}"
+            print(json.dumps({"src": src, "first": names[0], "names": len(names),
+                              "lowered": len(lowered), "cubin": len(cubin),
+                              "log": log[:3000]}), flush=True)
+
+
+def _compile_all_cmd():
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import sys; sys.path.insert(0, {here!r}); "
+            "import test_nvrtc as t; t._compile_all()")
+    return [sys.executable, "-c", code]
+
+
+def _start_compile_all():
+    return {"nvrtc-all": early.Child(_compile_all_cmd())}
+
+
+def test_all_kernels_compile_for_sm90():
+    """Every module the backend builds compiles for sm_90 without a warning and lowers every
+    name it asks for. A child process compiles them (one NVRTC process per core); in a plain
+    pytest run it starts right after collection and runs beside the other tests
+    (tests/early.py), since it takes minutes on a 2-core CI machine."""
+    import json
+    r = early.take("nvrtc-all", _compile_all_cmd()).wait(timeout=2400)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
+    got = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    want = _build.module_specs()
+    assert sorted((m["src"], m["first"], m["names"]) for m in got) == \
+        sorted((src, names[0], len(names)) for src, _, _, names in want)
+    for m in got:
+        assert m["lowered"] == m["names"], m
+        assert m["cubin"] > 0, m
+        assert "warning" not in m["log"].lower(), f"{m['src']} {m['first']}: {m['log']}"
+
+
+# Long children their tests start right after collection (conftest.py, tests/early.py)
+EARLY = {"test_all_kernels_compile_for_sm90": _start_compile_all}
 
 
 def test_forward_compiles_for_sm75_without_cp_async():
