@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -60,6 +61,15 @@ class Child:
             except ProcessLookupError:
                 pass
             self.proc.wait()
+
+
+def python_call(module: str, call: str) -> list:
+    """The command of a fresh Python that imports the test module `module` (from this folder)
+    as ``t`` and runs ``t.<call>``, e.g.
+    ``python_call("test_nvrtc", "_compile_all()")``."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = f"import sys; sys.path.insert(0, {here!r}); import {module} as t; t.{call}"
+    return [sys.executable, "-c", code]
 
 
 def start(funcs) -> None:

@@ -680,9 +680,8 @@ def _tsan_specs():
     race, and tests/emu/racecheck.py; raises where there is no libtsan."""
     env = emu.tsan_env()
     here = os.path.dirname(os.path.abspath(__file__))
-    code = (f"import sys; sys.path.insert(0, {here!r}); "
-            "import test_emulated_kernels as t; t._selftest(5)")
-    return {"tsan-selftest": ([sys.executable, "-c", code], env, "/"),
+    return {"tsan-selftest": (early.python_call("test_emulated_kernels", "_selftest(5)"), env,
+                              "/"),
             "tsan-racecheck": ([sys.executable, os.path.join(here, "emu", "racecheck.py")],
                                None, None)}
 
@@ -744,10 +743,8 @@ EARLY = {"test_kernels_under_address_sanitizer": _start_asan,
 
 @pytest.mark.skipif(not emu.asan(), reason="runs inside test_kernels_under_address_sanitizer")
 def test_asan_catches_a_write_past_the_end():
-    code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
-            "import test_emulated_kernels as t; t._selftest(4)")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       env=os.environ.copy(), timeout=600)
+    r = subprocess.run(early.python_call("test_emulated_kernels", "_selftest(4)"),
+                       capture_output=True, text=True, env=os.environ.copy(), timeout=600)
     assert r.returncode != 0 and "heap-buffer-overflow" in r.stderr, r.stderr[-3000:]
 
 

@@ -9,10 +9,10 @@ program per module, as the backend builds them, compiled in parallel processes (
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import multiprocessing
 import os
 import re
-import sys
 
 import pytest
 
@@ -89,11 +89,10 @@ def _compile_all() -> None:
     ``_build.module_specs()`` through NVRTC, one process per core, biggest first (so that the
     pool ends evenly); one JSON line per module on stdout: source, first name, how many names
     it asked for and got lowered, the cubin's size and the log's start."""
-    import json
     specs = _build.module_specs()
     specs.sort(key=lambda s: -len(s[3]) * (2 if s[0] == "bwd" else 1))
     workers = max(1, min(len(specs), os.cpu_count() or 1))
-    # fresh interpreters, not forks (JAX's threads, where this runs inside pytest)
+    # fresh interpreters, not forks (safe whatever threads the calling process holds)
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
         futures = [(src, names, pool.submit(_build.nvrtc_compile, src, text, opts, names))
@@ -106,10 +105,7 @@ def _compile_all() -> None:
 
 
 def _compile_all_cmd():
-    here = os.path.dirname(os.path.abspath(__file__))
-    code = (f"import sys; sys.path.insert(0, {here!r}); "
-            "import test_nvrtc as t; t._compile_all()")
-    return [sys.executable, "-c", code]
+    return early.python_call("test_nvrtc", "_compile_all()")
 
 
 def _start_compile_all():
@@ -121,7 +117,6 @@ def test_all_kernels_compile_for_sm90():
     name it asks for. A child process compiles them (one NVRTC process per core); in a plain
     pytest run it starts right after collection and runs beside the other tests
     (tests/early.py), since it takes minutes on a 2-core CI machine."""
-    import json
     r = early.take("nvrtc-all", _compile_all_cmd()).wait(timeout=2400)
     assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
     got = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
