@@ -65,7 +65,8 @@ def launcher(fn, grid, threads, smem, args):
         fn.max_dynamic_shared_size_bytes = smem
 
     def go(stream):
-        fn((grid,), (threads,), args, shared_mem=smem, stream=stream)
+        with stream:   # RawKernel launches on the current stream
+            fn((grid,), (threads,), args, shared_mem=smem)
     return go
 
 
