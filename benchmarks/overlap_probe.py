@@ -38,6 +38,17 @@ from sdm_cupy.kernels import _build as K
 from sdm_cupy.kernels import gpu
 
 
+def priority_range():
+    """(least, greatest) stream priority, from the driver (CuPy's runtime module has none)."""
+    import ctypes
+    cuda = ctypes.CDLL("libcuda.so.1")
+    least, greatest = ctypes.c_int(), ctypes.c_int()
+    cp.cuda.Device().synchronize()   # a current context
+    if cuda.cuCtxGetStreamPriorityRange(ctypes.byref(least), ctypes.byref(greatest)) != 0:
+        return 0, -5
+    return least.value, greatest.value
+
+
 def record_launches(call):
     seen = []
     launch = gpu._launch
@@ -110,7 +121,7 @@ def probe(W, reps, caps, pre_threads):
     for i in (12, 13, 14, 15):
         pargs2[i] = cp.empty_like(pargs[i])
     pargs2 = tuple(pargs2)
-    lo, hi = cp.cuda.runtime.deviceGetStreamPriorityRange()
+    lo, hi = priority_range()
     s_main = cp.cuda.Stream(non_blocking=True)
     s_hi = cp.cuda.Stream(non_blocking=True, priority=hi)
     s_lo = cp.cuda.Stream(non_blocking=True, priority=lo)
