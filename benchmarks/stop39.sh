@@ -5,6 +5,7 @@
 #   probe   overlap_probe.py at W = 8 and 16 (PROBE_S seconds, default 150)
 #   bench   bench_gpu.py --quick (carry .whl)
 #   suite   the GPU suite with the time left (SUITE_S caps)
+#   pretest the GPU test of the pre-pass's block sizes (bitwise equal results)
 #   prethreads  the pre-pass's block size: prepass_time.py (both forms) at 128, 256 and 512
 #           threads for W in PRE_W (default "4 8 12 16 24 32"), then fwd_ab.py graph replays
 #           of the forward and of forward+backward at W = 8, 512 against 256 threads
@@ -23,6 +24,10 @@ for step in ${STEPS:-probe bench suite}; do
       echo "== probe (elapsed $(( $(date +%s) - T0 )) s)"
       (cd benchmarks && timeout ${PROBE_S:-150} python3 overlap_probe.py --W ${PROBE_W:-8 16} \
          --reps ${PROBE_REPS:-30} 2>&1 | grep -vE "^\s*$|Warning|warn") ;;
+    pretest)
+      echo "== pretest (elapsed $(( $(date +%s) - T0 )) s)"
+      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_backend.py \
+        -k prepass_block 2>&1 | tail -15 ;;
     prethreads)
       for w in ${PRE_W:-4 8 12 16 24 32}; do
         echo "== prepass_time W = $w (elapsed $(( $(date +%s) - T0 )) s)"

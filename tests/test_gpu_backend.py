@@ -85,6 +85,38 @@ def test_backward_ranges_threads_and_tiles_match_reference(rng, monkeypatch, kno
     assert np.array_equal(rewound, pb.bank), "rewound bank differs from the initial bank"
 
 
+@pytest.mark.parametrize("shape", [
+    dict(T=70, S=6, W=4, C=16),          # most slots repeat within a chunk
+    dict(T=45, S=5000, W=20, C=32),      # the backward's form sorts (its hash table won't fit)
+    dict(T=40, S=300_000, W=3, C=8),     # 64-bit sort keys
+], ids=lambda d: f"S{d['S']}-W{d['W']}")
+def test_prepass_block_size_changes_no_bit(rng, monkeypatch, shape):
+    """The pre-pass's block size (gpu.PREPASS_THREADS) changes neither the readings, the final
+    bank, the snapshots nor the bank and value gradients by a bit, in both of its forms; the
+    weight gradients (atomics) match the float64 reference."""
+    from sdm_cupy.kernels import gpu
+    pb = make_problem(rng, B=2, T=shape["T"], P=2, hd=12, S=shape["S"], W=shape["W"])
+    dr = rng.normal(size=pb.values.shape)
+    dM = rng.normal(size=pb.bank.shape)
+    cfg = _cfg(pb, shape["C"])
+    outs = []
+    for threads in (512, 96, 128, 256, 384):
+        monkeypatch.setattr(gpu, "PREPASS_THREADS", threads)
+        x = pb.to(cp)
+        res = sdm.forward(x.bank, *x.inputs, cfg)
+        got = [to_numpy(res.readings), to_numpy(res.bank)]
+        got += [to_numpy(a) for a in res.saved.snapshots if a is not None]
+        g = sdm.backward(res.saved, cp.asarray(dr), cp.asarray(dM))
+        grads = tuple(to_numpy(getattr(g, n)) for n in GRADS)
+        got += [grads[0], grads[2], to_numpy(res.bank)]
+        _assert_float64_reference(pb, dr, dM, got[0], got[1], grads)
+        outs.append((threads, got))
+    for threads, got in outs[1:]:
+        for i, (a, b) in enumerate(zip(outs[0][1], got)):
+            assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), (
+                f"{threads} threads: result {i} differs from 512 threads'")
+
+
 @pytest.mark.parametrize("S", [262143, 263144], ids=["S262143-32bit-keys", "S263144-64bit-keys"])
 def test_prepass_sort_keys_at_both_sides_of_the_32_bit_limit(rng, S):
     """The pre-pass sorts (slot, entry) keys in 32 bits while S <= 2^18 - 1 (262143) and in
