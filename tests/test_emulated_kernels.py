@@ -206,7 +206,8 @@ def test_quantized_snapshots_match_the_cpu_backend(rng, emulated, case):
     The two backends' banks differ in last bits (their sums run in other orders), so a
     snapshot value on a rounding boundary may take the neighbouring code: one int8 code in
     44,800 at seed 54121494, which moved a read-weight grad by 0.03 (stop 35). So the codes
-    must agree to one step, in at most one entry in a thousand, and the scales to float
+    must agree to one step (or, bf16 codes of values that cancel to near zero, to 2^-17 of
+    their row's largest), in at most one entry in a thousand, and the scales to float
     rounding; then both backwards run on the emulated kernels' codes, which the CPU
     backend's saved snapshots take over."""
     dtype, mode = QUANT[case]
@@ -227,7 +228,15 @@ def test_quantized_snapshots_match_the_cpu_backend(rng, emulated, case):
             a.view(f"u{a.dtype.itemsize}").astype(np.int64)
 
     d = np.abs(steps(codes) - steps(cpu_codes))
-    assert d.max() <= 1, f"snapshot codes differ by {d.max()} steps"
+    # bf16 codes carry no row scale, so a value that cancels to near zero (3e-6 in a row of
+    # 1.6 at seed 681237192) has steps far finer than the banks' float32 rounding: there
+    # the codes must agree to 2^-17 of their row's largest, still 2^9 times finer than a
+    # bf16 step at that largest
+    a, b = (x.astype(np.float64) for x in (codes, cpu_codes))
+    row = np.abs(a).max(axis=-1, keepdims=True)
+    far = (d > 1) & (np.abs(a - b) > 2.0 ** -17 * row)
+    assert not far.any(), \
+        f"snapshot codes differ by {d[far].max()} steps at {np.argwhere(far)[:3].tolist()}"
     assert np.count_nonzero(d) <= d.size // 1000, f"{np.count_nonzero(d)} codes of {d.size} differ"
     if scales is not None:
         assert_close(scales, np.swapaxes(cs[1], 1, 2), 1e-6, "snapshot scales gpu vs cpu")
