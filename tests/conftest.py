@@ -51,6 +51,11 @@ def pytest_sessionfinish(session):
     early.stop_all()
 
 
+def pytest_runtest_setup(item):
+    import helpers
+    helpers.SEED = None   # set again by the rng fixture of a test that takes one
+
+
 @pytest.fixture
 def rng(request):
     # fresh inputs every run, reproducible from the printed seed: SDM_TEST_SEED=<seed> pytest ...
@@ -59,6 +64,8 @@ def rng(request):
     seed = int(env) if env else int.from_bytes(os.urandom(4), "little")
     request.node.user_properties.append(("seed", seed))
     print(f"seed={seed}")
+    import helpers
+    helpers.SEED = seed   # for SDM_TEST_MARGINS' lines
     return np.random.default_rng(seed)
 
 

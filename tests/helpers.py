@@ -118,6 +118,20 @@ def rel_err(got, want) -> float:
     return float(np.sqrt(np.mean((got - want) ** 2)) / (denom if denom > 0 else 1.0))
 
 
+SEED = None   # the rng fixture's seed of the running test
+
+
+def _log_margin(name, err, rtol):
+    """With SDM_TEST_MARGINS=<file>, one line per comparison: its error over its tolerance, the
+    test, what was compared and the test's seed (SDM_TEST_SEED reruns it). ``tests/margins.py``
+    ranks them: a comparison that uses most of its tolerance fails on some seed."""
+    path = os.environ.get("SDM_TEST_MARGINS")
+    if path and rtol > 0:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
+        with open(path, "a") as f:
+            f.write(f"{err / rtol:.4g}\t{test}\t{name}\t{SEED}\n")
+
+
 def assert_close(got, want, rtol, name=""):
     """Relative RMS within ``rtol``, no NaN, with a message naming what was compared."""
     g = to_numpy(got).astype(np.float64)
@@ -125,6 +139,7 @@ def assert_close(got, want, rtol, name=""):
     assert g.shape == w.shape, f"{name}: shape {g.shape} != {w.shape}"
     assert not np.isnan(g).any(), f"{name}: NaN in result"
     err = rel_err(g, w)
+    _log_margin(name, err, rtol)
     maxabs = float(np.max(np.abs(g - w))) if g.size else 0.0
     assert err <= rtol, f"{name}: relative RMS error {err:.3e} > {rtol:.1e} (max abs {maxabs:.3e})"
 
