@@ -3,7 +3,8 @@ emulator of ``tests/emu/sdm_emu.h``, and a stand-in for CuPy that lets ``kernels
 launch them on NumPy arrays.
 
 A kernel module is compiled once per (source, dtype key, compiler flags) into a shared library
-cached under ``SDM_EMU_CACHE`` (default ``~/.cache/sdm-cupy-emu``); ``SDM_EMU_ASAN=1`` builds
+cached under ``SDM_EMU_CACHE`` (default ``~/.cache/sdm-cupy-emu``), at ``-O0`` unless
+``SDM_EMU_OPT`` names another g++ level (``EMU_OPT``); ``SDM_EMU_ASAN=1`` builds
 with AddressSanitizer (the process must then run with libasan preloaded: ``asan_env()``).
 ``SDM_EMU_KERNELS`` names another directory to take the ``.cu`` sources from (the
 mutation runs of ``tests/emu/mutants.py``). ``patch(monkeypatch)`` patches ``sdm_cupy.kernels.gpu`` so that ``gpu.sdm_fwd`` /
@@ -115,9 +116,17 @@ def emu_source(src: str, names, text: str | None = None) -> str:
     return "\n".join(out) + "\n"
 
 
+# g++'s optimisation level for the emulator's builds (``SDM_EMU_OPT`` overrides). CI always
+# starts from a cold cache, where the compiles cost more than the runs they would speed up:
+# tests/test_emulated_kernels.py from a cold cache on a 2-core machine took 421 s at -O1 and
+# 303 s at -O0 (stop 42), every test passing at both. The kernels' own FMAs are fmaf calls
+# at any level.
+EMU_OPT = "-O0"
+
+
 def _flags(macros=()) -> list:
-    f = ["-std=c++17", "-O1", "-fPIC", "-shared", "-w", "-DSDM_EMULATE=1",
-         f"-I{EMU_DIR}", f"-I{K.include_dir()}", *macros]
+    f = ["-std=c++17", os.environ.get("SDM_EMU_OPT", EMU_OPT), "-fPIC", "-shared", "-w",
+         "-DSDM_EMULATE=1", f"-I{EMU_DIR}", f"-I{K.include_dir()}", *macros]
     if asan():
         f += ["-fsanitize=address", "-fno-omit-frame-pointer", "-g"]
     if tsan():
