@@ -8,6 +8,8 @@
 #           with the old copy order (-DSDM_FWD_EARLY_PF), one wait per chunk
 #           (-DSDM_FWD_ONE_WAIT) and 256-thread pre-pass blocks; forward+backward at W = 16
 #           with the backward's chunk halved for its dM stage (BWD_DM_HALVE)
+#   sweep   bench_gpu.py in full (S, W, T sweep with FLA's anchor; plot and JSON to $OUT),
+#           at most SWEEP_S seconds (default 240)
 #   suite   the GPU suite with the time left (SUITE_S caps)
 # Run from the repository root, carrying .whl: BUDGET=580 bash benchmarks/stop42.sh
 set -u
@@ -24,6 +26,9 @@ for step in ${STEPS:-bench ab}; do
            p256=$F@PREPASS_THREADS=256 base2=$F --W $w --graph --check --reps 20
       done
       ab base=$F halve=$F@BWD_DM_HALVE=1 base2=$F --W 16 --graph --check --backward --reps 12 ;;
+    sweep)
+      echo "== sweep, $(left) s left"
+      (cd benchmarks && timeout ${SWEEP_S:-240} python3 bench_gpu.py --out ${OUT:-.} 2>&1 | tail -40) ;;
     suite) suite_step ;;
   esac
 done
