@@ -3,15 +3,15 @@
 Kernels and the SPEC steps they implement
 -----------------------------------------
 ``sdm_fwd_seq_kernel`` (``cpu_fwd``, SPEC §2), the forward of float32/float64 banks: the
-recurrence itself, token by token, with no G, H or substitution. ``prange`` over blocks of
-(b, group of heads): one group holds all P heads of b unless the B blocks do not split evenly
-over the threads (``_groups``). A worker owns its heads' S×hd blocks, so it needs no atomics,
-and per token it runs each phase over all heads of the group: pred_t = k_t·M (the W rows
-summed 8 at a time per pass over the columns, in w order), u_t = β_t(v_t − pred_t) and the
-scatter M[i] += a u_t in w order, then r_t = q_t·M. With snapshots, each chunk of C tokens
-first copies the rows its write entries will change (the bank holds M0 then: exactly the rows
-of step 1 below, so the backward is the same); without (``needs_backward=False``) there is no
-snapshot work at all. Rows of token t+2 are prefetched (``PREFETCH_SEQ``, to L2:
+recurrence itself, token by token, with no G, H or substitution. Blocks of (b, group of heads),
+run on a pool of threads (``cpu_threads``): one group holds all P heads of b unless the B blocks
+do not split evenly over the threads (``_groups``). A worker owns its heads' S×hd blocks, so it
+needs no atomics, and per token it runs each phase over all heads of the group: pred_t = k_t·M
+(the W rows summed 8 at a time per pass over the columns, in w order), u_t = β_t(v_t − pred_t)
+and the scatter M[i] += a u_t in w order, then r_t = q_t·M. With snapshots, each chunk of C
+tokens first copies the rows its write entries will change (the bank holds M0 then: exactly the
+rows of step 1 below, so the backward is the same); without (``needs_backward=False``) there is
+no snapshot work at all. Rows of token t+2 are prefetched (``PREFETCH_SEQ``, to L2:
 ``PREFETCH_LOC``). On a CPU the chunked form costs more than it saves: one worker walks the
 tokens of a head in order anyway, and the recurrence touches each row while it is hot (the
 scatter hits rows just gathered) with no slot table or overlap matrices (SPEC §3's chunk is for
@@ -19,10 +19,11 @@ parallel tokens; §2 says C changes results only by rounding). It is bitwise the
 without snapshots and for every snapshot mode.
 
 ``sdm_fwd_kernel`` (``cpu_fwd``, SPEC §3), the chunked forward, used for 16-bit banks (it
-rounds each written row once per chunk, not once per token). ``prange`` over blocks of the B·P (batch, head)
-pairs; the worker of a head owns its S×hd block (bank columns p*hd:(p+1)*hd, rows
-b*S:(b+1)*S) and walks the chunks in order, so its scatters need no atomics. Per chunk of
-L <= C tokens starting at t0 (n = L·W entries; the helpers live in ``cpu_chunk``):
+rounds each written row once per chunk, not once per token). Blocks of the B·P (batch,
+head) pairs, on the same threads; the worker of a head owns its S×hd block (bank columns
+p*hd:(p+1)*hd, rows b*S:(b+1)*S) and walks the chunks in order, so its scatters need no
+atomics. Per chunk of L <= C tokens starting at t0 (n = L·W entries; the helpers live in
+``cpu_chunk``):
 
 1. ``gather_writes``: reads a, i and each row M0[i_{t,w}] once into ``R`` (n rows of hd, compute
    dtype) and forms X_t = k_t·M0 in the same pass. Those rows are the snapshot, stored per
@@ -83,8 +84,10 @@ float64 through float32 when the values are float64: double rounding in that rar
 Safety: Numba does no bounds checks. Every slot id is tested against [0, S) before it is used;
 an id outside is skipped (weight 0) and counted (ids are int32 or int64, as given), and the host wrapper raises ValueError after
 the kernel (``check_indices=False`` in the API skips the up-front check, never this one).
-The parallel kernels run under ``_LOCK``: Numba's default workqueue threading layer is not safe
-when several Python threads launch parallel functions at once.
+Threads: the kernels that do the work are compiled ``nogil=True`` and ``cpu_threads`` runs
+their blocks on the calling thread and a pool (``numba.get_num_threads()`` in all; stop 44:
+before, a ``prange`` wrapper did, which Numba compiled per argument types at about the kernel's
+cost again). Calls run one at a time under ``_LOCK``: two at once would oversubscribe the cores.
 """
 
 from __future__ import annotations
@@ -183,7 +186,7 @@ def _storage(x):
 
 
 def _blocks(heads: int) -> int:
-    """Blocks of heads for the prange: a few per thread (balance) but not one per head (each
+    """Blocks of heads for the threads: a few per thread (balance) but not one per head (each
     block allocates its scratch once: decode calls have many heads and little work each)."""
     return max(1, min(heads, 4 * numba.get_num_threads()))
 
@@ -210,9 +213,18 @@ def _kernel_inputs(lay, inputs):
     # shape); the kernels compile once per id dtype, and both id arrays share one dtype
     i32 = np.dtype(np.int32)
     idt = i32 if wi.dtype == i32 and ri.dtype == i32 else np.dtype(np.int64)
-    return (np.ascontiguousarray(wi, dtype=idt), np.ascontiguousarray(a, dtype=cd),
-            np.ascontiguousarray(v, dtype=cd), np.ascontiguousarray(beta, dtype=cd),
-            np.ascontiguousarray(ri, dtype=idt), np.ascontiguousarray(c, dtype=cd))
+    return (_readonly(wi, idt), _readonly(a, cd), _readonly(v, cd), _readonly(beta, cd),
+            _readonly(ri, idt), _readonly(c, cd))
+
+
+def _readonly(x, dtype):
+    """A read-only C-contiguous view of ``x`` in ``dtype`` (a copy only where the dtype or the
+    layout differs). Numba compiles a kernel once per argument type, and a read-only array is
+    a type of its own: the inputs always go in read-only (a caller's frozen array, JAX's
+    through DLPack, or ours alike), so that each kernel compiles once per dtype, not twice."""
+    view = np.ascontiguousarray(x, dtype=dtype).view()
+    view.flags.writeable = False
+    return view
 
 
 def _snapshot_arrays(lay, bank_k, snapshots, mode):
@@ -314,7 +326,7 @@ def sdm_bwd(lay, config, bank, inputs, snapshots, dr, dM):
     cd = lay.compute_dtype
     bank_k, fmt = _storage(bank)
     wi, a, v, be, ri, c = _kernel_inputs(lay, inputs)
-    drk = np.ascontiguousarray(dr, dtype=cd)
+    drk = _readonly(dr, cd)
     if dM is None:
         dMk = np.zeros((B * S, lay.D), cd)
     else:

@@ -4,7 +4,7 @@ step-by-step map is in the docstring of ``sdm_cupy.kernels.cpu``."""
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from .cpu_chunk import (build_overlaps, entry_tokens,
                         clear_overlaps, dot, gather_reads, gather_writes,
@@ -12,9 +12,10 @@ from .cpu_chunk import (build_overlaps, entry_tokens,
                         scratch, snapshot_row, substitute)
 from .cpu_formats import SNAP_EXACT, dequantize_row, store_row
 from .cpu_prefetch import PREFETCH_TOKENS, prefetch_token_rows
+from .cpu_threads import parallel_for
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _bwd_heads(bp0, bp1, bank, fmt, wi, a, v, beta, ri, c, dr, dM, S, P, hd, C, mode,
                snap_nat, snap_u16, snap_u8, scales, da, dv, dbeta, dc, bad):
     uhd = np.uint64(hd)
@@ -153,13 +154,16 @@ def _bwd_heads(bp0, bp1, bank, fmt, wi, a, v, beta, ri, c, dr, dM, S, P, hd, C, 
         bad[bp, 1] = badr
 
 
-@njit(parallel=True, cache=True)
 def sdm_bwd_kernel(bank, fmt, wi, a, v, beta, ri, c, dr, dM, S, P, hd, C, mode, snap_nat,
                    snap_u16, snap_u8, scales, da, dv, dbeta, dc, bad, nblocks):
     """SPEC §4 for every (b, p); see the module docstring. v, dr, dv are [B*T, D]. The B·P
-    heads are split into ``nblocks`` blocks (``prange``); a block allocates its scratch once."""
+    heads are split into ``nblocks`` blocks, run on ``cpu_threads``' threads; a block
+    allocates its scratch once."""
     nbp = wi.shape[0] * P
-    for blk in prange(nblocks):
+
+    def block(blk):
         _bwd_heads(blk * nbp // nblocks, (blk + 1) * nbp // nblocks, bank, fmt, wi, a, v, beta,
                    ri, c, dr, dM, S, P, hd, C, mode, snap_nat, snap_u16, snap_u8, scales, da,
                    dv, dbeta, dc, bad)
+
+    parallel_for(nblocks, block, work=wi.size * hd)

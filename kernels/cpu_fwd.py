@@ -5,7 +5,7 @@ is in the docstring of ``sdm_cupy.kernels.cpu``."""
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from .cpu_chunk import (build_overlaps, entry_tokens,
                         clear_overlaps, gather_reads, gather_writes, hash_build,
@@ -13,6 +13,7 @@ from .cpu_chunk import (build_overlaps, entry_tokens,
                         substitute)
 from .cpu_formats import FMT_NATIVE, SNAP_EXACT, SNAP_OFF, quantize_row, store_row
 from .cpu_prefetch import PREFETCH_TOKENS, _prefetch_level, prefetch_token_rows
+from .cpu_threads import parallel_for
 
 #: tokens ahead whose rows the native (token-by-token) forward prefetches; 0: none
 PREFETCH_SEQ = 2
@@ -20,7 +21,7 @@ PREFETCH_SEQ = 2
 PREFETCH_LOC = 1
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _fwd_heads(bp0, bp1, bank, fmt, wi, a, v, beta, ri, c, r, S, P, hd, C, mode, snap_nat,
                snap_u16, snap_u8, scales, bad):
     uhd = np.uint64(hd)
@@ -132,15 +133,18 @@ def _fwd_heads(bp0, bp1, bank, fmt, wi, a, v, beta, ri, c, r, S, P, hd, C, mode,
         bad[bp, 1] = badr
 
 
-@njit(parallel=True, cache=True)
 def sdm_fwd_kernel(bank, fmt, wi, a, v, beta, ri, c, r, S, P, hd, C, mode, snap_nat, snap_u16,
                    snap_u8, scales, bad, nblocks):
     """SPEC §3 for every (b, p); see the module docstring. v, r are [B*T, D]. The B·P heads
-    are split into ``nblocks`` blocks (``prange``); a block allocates its scratch once."""
+    are split into ``nblocks`` blocks, run on ``cpu_threads``' threads; a block allocates its
+    scratch once."""
     nbp = wi.shape[0] * P
-    for blk in prange(nblocks):
+
+    def block(blk):
         _fwd_heads(blk * nbp // nblocks, (blk + 1) * nbp // nblocks, bank, fmt, wi, a, v, beta,
                    ri, c, r, S, P, hd, C, mode, snap_nat, snap_u16, snap_u8, scales, bad)
+
+    parallel_for(nblocks, block, work=wi.size * hd)
 
 
 # ------------------------------------------------------- native banks: the recurrence itself
@@ -213,7 +217,7 @@ def _rows_dot(X, g, bank, rows, wts, q, n, uc0, uhd):
         j += 1
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _seq_group(b, p0, p1, bank, wi, a, v, beta, ri, c, r, S, P, hd, C, mode, snap_nat,
                snap_u16, snap_u8, scales, bad):
     """Heads p0..p1-1 of batch element b, token by token (SPEC §2). Native banks only
@@ -307,14 +311,15 @@ def _seq_group(b, p0, p1, bank, wi, a, v, beta, ri, c, r, S, P, hd, C, mode, sna
     bad[b * P + p0, 1] = badr
 
 
-@njit(parallel=True, cache=True)
 def sdm_fwd_seq_kernel(bank, wi, a, v, beta, ri, c, r, S, P, hd, C, mode, snap_nat, snap_u16,
                        snap_u8, scales, bad, ngroups):
-    """SPEC §2 for native banks; ``prange`` over (b, group of ``P // ngroups`` heads). v, r
-    are [B*T, D]; ``bad`` [B*P, 2] gets the counts of ids outside [0, S) (only its sums
-    mean anything) and must be zero on entry."""
-    nblk = wi.shape[0] * ngroups
-    for blk in prange(nblk):
+    """SPEC §2 for native banks; blocks of (b, group of ``P // ngroups`` heads), run on
+    ``cpu_threads``' threads. v, r are [B*T, D]; ``bad`` [B*P, 2] gets the counts of ids
+    outside [0, S) (only its sums mean anything) and must be zero on entry."""
+
+    def block(blk):
         b, g = blk // ngroups, blk % ngroups
         _seq_group(b, g * P // ngroups, (g + 1) * P // ngroups, bank, wi, a, v, beta, ri, c,
                    r, S, P, hd, C, mode, snap_nat, snap_u16, snap_u8, scales, bad)
+
+    parallel_for(wi.shape[0] * ngroups, block, work=wi.size * hd)

@@ -1,7 +1,7 @@
 """Tests specific to the Numba CPU backend (sdm_cupy.kernels.cpu): the number formats on bits,
-bitwise determinism, the out-of-range id path with check_indices=False, thread safety,
-measured snapshot-quantization error bounds, and odd sizes. Everything is held to the float64
-reference (sdm_cupy.reference); the backend-agnostic suite is tests/test_op.py."""
+bitwise determinism, the out-of-range id path with check_indices=False, thread safety and the
+thread pool, measured snapshot-quantization error bounds, and odd sizes. Everything is held to
+the float64 reference (sdm_cupy.reference); the backend-agnostic suite is tests/test_op.py."""
 
 from __future__ import annotations
 
@@ -140,8 +140,10 @@ def test_forward_bits_do_not_depend_on_the_snapshot_mode(rng, dtype):
         assert np.array_equal(bank.view(np.uint8), outs[0][1].view(np.uint8))
 
 
-def test_results_do_not_depend_on_the_thread_count(rng):
+def test_results_do_not_depend_on_the_thread_count(rng, monkeypatch):
     import numba
+    from sdm_cupy.kernels import cpu_threads
+    monkeypatch.setattr(cpu_threads, "SERIAL_BELOW", 0)   # this small call on the pool too
     pb = make_problem(rng, B=2, T=40, P=3, hd=16, S=30, W=4, dtype=np.float32)
     dr = rng.normal(size=(pb.B, pb.T, pb.P * pb.hd)).astype(np.float32)
     n = numba.get_num_threads()
@@ -311,6 +313,57 @@ def test_concurrent_calls_from_four_threads(rng):
     for (_, r0, f0, g0), (_, r1, f1, g1) in zip(serial, results):
         assert np.array_equal(r0, r1) and np.array_equal(f0, f1)
         assert np.array_equal(g0.bank, g1.bank) and np.array_equal(g0.write_w, g1.write_w)
+
+
+def _record_blocks(n, nthreads, work=None, fail_at=None):
+    """parallel_for over n blocks on nthreads Numba threads: (block, thread ident) per call."""
+    import numba
+    from sdm_cupy.kernels import cpu_threads
+    seen = []
+    lock = threading.Lock()
+
+    def body(i):
+        if i == fail_at:
+            raise RuntimeError(f"block {i} failed")
+        x = 0.0
+        for k in range(20000):   # long enough for the pool's threads to take blocks too
+            x += k
+        with lock:
+            seen.append((i, threading.get_ident()))
+
+    old = numba.get_num_threads()
+    numba.set_num_threads(nthreads)
+    try:
+        cpu_threads.parallel_for(n, body, work=work)
+    finally:
+        numba.set_num_threads(old)
+    return seen
+
+
+def test_thread_pool_runs_every_block_once():
+    import numba
+    n = numba.config.NUMBA_NUM_THREADS
+    seen = _record_blocks(64, n)
+    assert sorted(i for i, _ in seen) == list(range(64))
+    me = threading.get_ident()
+    if n >= 2:   # the caller works too, beside the pool
+        assert me in {t for _, t in seen}
+    # one thread (numba.set_num_threads(1)), or a call below SERIAL_BELOW: the caller alone
+    from sdm_cupy.kernels import cpu_threads
+    for seen in (_record_blocks(16, 1),
+                 _record_blocks(16, n, work=cpu_threads.SERIAL_BELOW - 1)):
+        assert sorted(i for i, _ in seen) == list(range(16))
+        assert {t for _, t in seen} == {me}
+
+
+def test_thread_pool_reraises_a_blocks_error():
+    import numba
+    n = numba.config.NUMBA_NUM_THREADS
+    for threads in sorted({1, n}):
+        with pytest.raises(RuntimeError, match="block 5 failed"):
+            _record_blocks(40, threads, fail_at=5)
+    # the pool is still usable afterwards
+    assert sorted(i for i, _ in _record_blocks(8, n)) == list(range(8))
 
 
 # ------------------------------------------------------------------ snapshot quantization

@@ -1,0 +1,104 @@
+"""The CPU kernels' blocks of heads, run on a pool of Python threads.
+
+The kernels that do the work (``cpu_fwd._seq_group``, ``cpu_fwd._fwd_heads``,
+``cpu_bwd._bwd_heads``) are compiled with ``nogil=True``: several Python threads run them at
+once, each on its own heads. That is what a ``prange`` over the blocks did before stop 44, less
+its cost: Numba compiled a ``parallel=True`` wrapper per argument types on top of the kernel it
+calls, and that wrapper took as long again as half the kernel (the backward at float32: 16.8 s
+with the wrapper, 9.7 s without). The test suite builds about twenty such instances from a cold
+cache.
+
+Scheduling: the calling thread and ``numba.get_num_threads() - 1`` pool threads take block
+numbers from one counter until none are left, so a slow block does not hold up the others'
+share. The thread count follows ``numba.set_num_threads`` (and ``NUMBA_NUM_THREADS``) as the
+``prange`` did. Every block writes only its own heads, so the results are bitwise the same for
+any thread count and any order.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import os
+import threading
+
+import numba
+
+_pool = None
+_pool_size = 0
+_pool_lock = threading.Lock()
+
+
+def _forget_pool() -> None:
+    """A forked child has none of its parent's threads: it starts a pool of its own."""
+    global _pool, _pool_size
+    _pool, _pool_size = None, 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _workers(n: int):
+    """The pool, with at least ``n`` threads."""
+    global _pool, _pool_size
+    with _pool_lock:
+        if _pool is None or _pool_size < n:
+            old = _pool
+            _pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=n, thread_name_prefix="sdm-cupy-cpu")
+            _pool_size = n
+            if old is not None:
+                old.shutdown(wait=False)
+        return _pool
+
+
+def threads() -> int:
+    """How many threads a call runs on: Numba's thread count in the calling thread."""
+    return max(1, int(numba.get_num_threads()))
+
+
+#: below this many row elements (B·T·P·W·hd) a call runs on the calling thread alone: handing
+#: blocks to the pool costs ~50-100 µs (a decode step, T = 1, takes less than that in all)
+SERIAL_BELOW = 1 << 17
+
+
+def parallel_for(n: int, body, work: int | None = None) -> None:
+    """Calls ``body(i)`` for i in range(n), on up to ``threads()`` threads (the caller's among
+    them), or on the caller's alone where ``work`` (row elements) is below ``SERIAL_BELOW``.
+    Returns when every call has returned; re-raises the first exception of any."""
+    nthreads = min(int(n), threads())
+    if work is not None and work < SERIAL_BELOW:
+        nthreads = 1
+    if nthreads <= 1:
+        for i in range(n):
+            body(i)
+        return
+    counter = itertools.count()
+    take = threading.Lock()
+    failed = []
+
+    def worker():
+        while not failed:
+            with take:
+                i = next(counter)
+            if i >= n:
+                return
+            try:
+                body(i)
+            except BaseException:
+                failed.append(True)
+                raise
+
+    futures = [_workers(nthreads - 1).submit(worker) for _ in range(nthreads - 1)]
+    errors = []
+    try:
+        worker()
+    except BaseException as e:   # the pool's threads stop at their next block
+        errors.append(e)
+    for f in futures:
+        e = f.exception()        # waits for it
+        if e is not None:
+            errors.append(e)
+    if errors:
+        raise errors[0]
