@@ -84,10 +84,13 @@ float64 through float32 when the values are float64: double rounding in that rar
 Safety: Numba does no bounds checks. Every slot id is tested against [0, S) before it is used;
 an id outside is skipped (weight 0) and counted (ids are int32 or int64, as given), and the host wrapper raises ValueError after
 the kernel (``check_indices=False`` in the API skips the up-front check, never this one).
-Threads: the kernels that do the work are compiled ``nogil=True`` and ``cpu_threads`` runs
-their blocks on the calling thread and a pool (``numba.get_num_threads()`` in all; stop 44:
-before, a ``prange`` wrapper did, which Numba compiled per argument types at about the kernel's
-cost again). Calls run one at a time under ``_LOCK``: two at once would oversubscribe the cores.
+Threads (``cpu_threads``): up to 2 threads (``numba.get_num_threads()``) the blocks run on the
+calling thread and a pool of Python threads, calling kernels compiled ``nogil=True``; with
+more, on a ``prange`` wrapper of the same kernels, which Numba compiles per argument types at
+about half the kernel's cost again (the pool's threads each take the GIL to start, which costs
+too much at 16). Calls run one at a time under ``_LOCK``: Numba's default workqueue threading
+layer is not safe when several Python threads launch parallel functions at once, and two
+calls at once would oversubscribe the cores anyway.
 """
 
 from __future__ import annotations

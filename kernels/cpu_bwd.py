@@ -4,7 +4,7 @@ step-by-step map is in the docstring of ``sdm_cupy.kernels.cpu``."""
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from .cpu_chunk import (build_overlaps, entry_tokens,
                         clear_overlaps, dot, gather_reads, gather_writes,
@@ -12,7 +12,7 @@ from .cpu_chunk import (build_overlaps, entry_tokens,
                         scratch, snapshot_row, substitute)
 from .cpu_formats import SNAP_EXACT, dequantize_row, store_row
 from .cpu_prefetch import PREFETCH_TOKENS, prefetch_token_rows
-from .cpu_threads import parallel_for
+from .cpu_threads import on_pool, parallel_for
 
 
 @njit(cache=True, nogil=True)
@@ -157,9 +157,13 @@ def _bwd_heads(bp0, bp1, bank, fmt, wi, a, v, beta, ri, c, dr, dM, S, P, hd, C, 
 def sdm_bwd_kernel(bank, fmt, wi, a, v, beta, ri, c, dr, dM, S, P, hd, C, mode, snap_nat,
                    snap_u16, snap_u8, scales, da, dv, dbeta, dc, bad, nblocks):
     """SPEC §4 for every (b, p); see the module docstring. v, dr, dv are [B*T, D]. The B·P
-    heads are split into ``nblocks`` blocks, run on ``cpu_threads``' threads; a block
+    heads are split into ``nblocks`` blocks, run as ``cpu_threads`` decides; a block
     allocates its scratch once."""
     nbp = wi.shape[0] * P
+    if not on_pool(wi.size * hd):
+        _bwd_prange(bank, fmt, wi, a, v, beta, ri, c, dr, dM, S, P, hd, C, mode, snap_nat,
+                    snap_u16, snap_u8, scales, da, dv, dbeta, dc, bad, nblocks)
+        return
 
     def block(blk):
         _bwd_heads(blk * nbp // nblocks, (blk + 1) * nbp // nblocks, bank, fmt, wi, a, v, beta,
@@ -167,3 +171,13 @@ def sdm_bwd_kernel(bank, fmt, wi, a, v, beta, ri, c, dr, dM, S, P, hd, C, mode, 
                    dv, dbeta, dc, bad)
 
     parallel_for(nblocks, block, work=wi.size * hd)
+
+
+@njit(parallel=True, cache=True)
+def _bwd_prange(bank, fmt, wi, a, v, beta, ri, c, dr, dM, S, P, hd, C, mode, snap_nat,
+                snap_u16, snap_u8, scales, da, dv, dbeta, dc, bad, nblocks):
+    nbp = wi.shape[0] * P
+    for blk in prange(nblocks):
+        _bwd_heads(blk * nbp // nblocks, (blk + 1) * nbp // nblocks, bank, fmt, wi, a, v, beta,
+                   ri, c, dr, dM, S, P, hd, C, mode, snap_nat, snap_u16, snap_u8, scales, da,
+                   dv, dbeta, dc, bad)

@@ -5,7 +5,7 @@ is in the docstring of ``sdm_cupy.kernels.cpu``."""
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from .cpu_chunk import (build_overlaps, entry_tokens,
                         clear_overlaps, gather_reads, gather_writes, hash_build,
@@ -13,7 +13,7 @@ from .cpu_chunk import (build_overlaps, entry_tokens,
                         substitute)
 from .cpu_formats import FMT_NATIVE, SNAP_EXACT, SNAP_OFF, quantize_row, store_row
 from .cpu_prefetch import PREFETCH_TOKENS, _prefetch_level, prefetch_token_rows
-from .cpu_threads import parallel_for
+from .cpu_threads import on_pool, parallel_for
 
 #: tokens ahead whose rows the native (token-by-token) forward prefetches; 0: none
 PREFETCH_SEQ = 2
@@ -136,15 +136,28 @@ def _fwd_heads(bp0, bp1, bank, fmt, wi, a, v, beta, ri, c, r, S, P, hd, C, mode,
 def sdm_fwd_kernel(bank, fmt, wi, a, v, beta, ri, c, r, S, P, hd, C, mode, snap_nat, snap_u16,
                    snap_u8, scales, bad, nblocks):
     """SPEC §3 for every (b, p); see the module docstring. v, r are [B*T, D]. The B·P heads
-    are split into ``nblocks`` blocks, run on ``cpu_threads``' threads; a block allocates its
+    are split into ``nblocks`` blocks, run as ``cpu_threads`` decides; a block allocates its
     scratch once."""
     nbp = wi.shape[0] * P
+    if not on_pool(wi.size * hd):
+        _fwd_prange(bank, fmt, wi, a, v, beta, ri, c, r, S, P, hd, C, mode, snap_nat, snap_u16,
+                    snap_u8, scales, bad, nblocks)
+        return
 
     def block(blk):
         _fwd_heads(blk * nbp // nblocks, (blk + 1) * nbp // nblocks, bank, fmt, wi, a, v, beta,
                    ri, c, r, S, P, hd, C, mode, snap_nat, snap_u16, snap_u8, scales, bad)
 
     parallel_for(nblocks, block, work=wi.size * hd)
+
+
+@njit(parallel=True, cache=True)
+def _fwd_prange(bank, fmt, wi, a, v, beta, ri, c, r, S, P, hd, C, mode, snap_nat, snap_u16,
+                snap_u8, scales, bad, nblocks):
+    nbp = wi.shape[0] * P
+    for blk in prange(nblocks):
+        _fwd_heads(blk * nbp // nblocks, (blk + 1) * nbp // nblocks, bank, fmt, wi, a, v, beta,
+                   ri, c, r, S, P, hd, C, mode, snap_nat, snap_u16, snap_u8, scales, bad)
 
 
 # ------------------------------------------------------- native banks: the recurrence itself
@@ -313,9 +326,13 @@ def _seq_group(b, p0, p1, bank, wi, a, v, beta, ri, c, r, S, P, hd, C, mode, sna
 
 def sdm_fwd_seq_kernel(bank, wi, a, v, beta, ri, c, r, S, P, hd, C, mode, snap_nat, snap_u16,
                        snap_u8, scales, bad, ngroups):
-    """SPEC §2 for native banks; blocks of (b, group of ``P // ngroups`` heads), run on
-    ``cpu_threads``' threads. v, r are [B*T, D]; ``bad`` [B*P, 2] gets the counts of ids
+    """SPEC §2 for native banks; blocks of (b, group of ``P // ngroups`` heads), run as
+    ``cpu_threads`` decides. v, r are [B*T, D]; ``bad`` [B*P, 2] gets the counts of ids
     outside [0, S) (only its sums mean anything) and must be zero on entry."""
+    if not on_pool(wi.size * hd):
+        _seq_prange(bank, wi, a, v, beta, ri, c, r, S, P, hd, C, mode, snap_nat, snap_u16,
+                    snap_u8, scales, bad, ngroups)
+        return
 
     def block(blk):
         b, g = blk // ngroups, blk % ngroups
@@ -323,3 +340,12 @@ def sdm_fwd_seq_kernel(bank, wi, a, v, beta, ri, c, r, S, P, hd, C, mode, snap_n
                    r, S, P, hd, C, mode, snap_nat, snap_u16, snap_u8, scales, bad)
 
     parallel_for(wi.shape[0] * ngroups, block, work=wi.size * hd)
+
+
+@njit(parallel=True, cache=True)
+def _seq_prange(bank, wi, a, v, beta, ri, c, r, S, P, hd, C, mode, snap_nat, snap_u16,
+                snap_u8, scales, bad, ngroups):
+    for blk in prange(wi.shape[0] * ngroups):
+        b, g = blk // ngroups, blk % ngroups
+        _seq_group(b, g * P // ngroups, (g + 1) * P // ngroups, bank, wi, a, v, beta, ri, c,
+                   r, S, P, hd, C, mode, snap_nat, snap_u16, snap_u8, scales, bad)

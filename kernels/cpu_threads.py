@@ -1,18 +1,23 @@
-"""The CPU kernels' blocks of heads, run on a pool of Python threads.
+"""Where the CPU kernels' blocks of heads run: on the calling thread, on a pool of Python
+threads, or in a Numba ``prange``.
 
 The kernels that do the work (``cpu_fwd._seq_group``, ``cpu_fwd._fwd_heads``,
-``cpu_bwd._bwd_heads``) are compiled with ``nogil=True``: several Python threads run them at
-once, each on its own heads. That is what a ``prange`` over the blocks did before stop 44, less
-its cost: Numba compiled a ``parallel=True`` wrapper per argument types on top of the kernel it
-calls, and that wrapper took as long again as half the kernel (the backward at float32: 16.8 s
-with the wrapper, 9.7 s without). The test suite builds about twenty such instances from a cold
-cache.
+``cpu_bwd._bwd_heads``) are compiled with ``nogil=True``. Up to ``POOL_MAX_THREADS`` threads
+(``numba.get_num_threads()``), the calling thread and a pool of Python threads run them at once,
+each on its own blocks, taking block numbers from one counter. Beyond that, a ``prange`` wrapper
+does (``parallel=True``, next to each kernel).
 
-Scheduling: the calling thread and ``numba.get_num_threads() - 1`` pool threads take block
-numbers from one counter until none are left, so a slow block does not hold up the others'
-share. The thread count follows ``numba.set_num_threads`` (and ``NUMBA_NUM_THREADS``) as the
-``prange`` did. Every block writes only its own heads, so the results are bitwise the same for
-any thread count and any order.
+Why both (stop 44): Numba compiles a ``parallel=True`` wrapper for each argument types on top
+of the kernel it calls, at about half the kernel's cost again (the backward at float32: 16.8 s
+with the wrapper, 9.7 s without); the pool needs no compile. But each pool thread must take
+the GIL once to start its block, and the GIL passes from one sleeping thread to the next: with
+16 threads (an H100 host's 16 cores) the forward of ``bench_cpu.py`` took 2.4-2.7 ms on the
+pool against 1.4 on the ``prange``, whose threads start without the GIL. With 2 threads there
+is one hand-off, and the two run at the same speed.
+
+A call below ``SERIAL_BELOW`` row elements runs on the calling thread alone, whatever the
+thread count. Every block writes only its own heads, so the results are bitwise the same on
+any path, for any thread count and in any order.
 """
 
 from __future__ import annotations
@@ -56,6 +61,16 @@ def _workers(n: int):
 def threads() -> int:
     """How many threads a call runs on: Numba's thread count in the calling thread."""
     return max(1, int(numba.get_num_threads()))
+
+
+#: the most threads a call runs on the pool; above, on the kernels' ``prange`` wrappers
+POOL_MAX_THREADS = 2
+
+
+def on_pool(work: int | None = None) -> bool:
+    """Whether a call of ``work`` row elements runs on the calling thread and the pool
+    (``parallel_for``) rather than on a ``prange`` wrapper."""
+    return threads() <= POOL_MAX_THREADS or (work is not None and work < SERIAL_BELOW)
 
 
 #: below this many row elements (B·T·P·W·hd) a call runs on the calling thread alone: handing

@@ -159,6 +159,32 @@ def test_results_do_not_depend_on_the_thread_count(rng, monkeypatch):
         assert np.array_equal(x, y)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
+def test_prange_and_pool_paths_give_the_same_bits(rng, monkeypatch, dtype):
+    """Above POOL_MAX_THREADS the blocks run on Numba's prange wrappers instead of the pool
+    (cpu_threads): the float32 bank takes the token-by-token forward, the bfloat16 one the
+    chunked forward, both the backward; every path gives the same bits."""
+    import numba
+    from sdm_cupy.kernels import cpu_threads
+    monkeypatch.setattr(cpu_threads, "SERIAL_BELOW", 0)
+    pb = make_problem(rng, B=2, T=40, P=3, hd=16, S=30, W=4, dtype=dtype, repeat=True)
+    dr = rng.normal(size=(pb.B, pb.T, pb.P * pb.hd)).astype(np.float32)
+    n = numba.get_num_threads()
+    outs = []
+    for pool_max in (n, 0, n):          # the pool, the prange, the pool again
+        monkeypatch.setattr(cpu_threads, "POOL_MAX_THREADS", pool_max)
+        assert cpu_threads.on_pool() == (pool_max == n)
+        _, readings, final, g = run_fwd_bwd(pb, cfg_for(pb, C=8), dr)
+        outs.append((readings, final, g.bank, g.write_w, g.read_w, g.beta, g.values))
+    for other in outs[1:]:
+        for x, y in zip(outs[0], other):
+            assert np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+    # a call below SERIAL_BELOW runs on the caller alone, whatever the thread count
+    monkeypatch.setattr(cpu_threads, "SERIAL_BELOW", 1 << 17)
+    monkeypatch.setattr(cpu_threads, "POOL_MAX_THREADS", 0)
+    assert cpu_threads.on_pool(work=(1 << 17) - 1) and not cpu_threads.on_pool(work=1 << 17)
+
+
 @pytest.mark.parametrize("case", [
     dict(B=1, T=5, P=3, hd=60, S=50, W=4, C=2, id="hd60"),
     dict(B=2, T=9, P=2, hd=8, S=1, W=3, C=4, id="S1"),
