@@ -160,7 +160,7 @@ def sdm_bwd_kernel(bank, fmt, wi, a, v, beta, ri, c, dr, dM, S, P, hd, C, mode, 
     heads are split into ``nblocks`` blocks, run as ``cpu_threads`` decides; a block
     allocates its scratch once."""
     nbp = wi.shape[0] * P
-    if not on_pool(wi.size * hd):
+    if not on_pool():
         _bwd_prange(bank, fmt, wi, a, v, beta, ri, c, dr, dM, S, P, hd, C, mode, snap_nat,
                     snap_u16, snap_u8, scales, da, dv, dbeta, dc, bad, nblocks)
         return

@@ -139,7 +139,7 @@ def sdm_fwd_kernel(bank, fmt, wi, a, v, beta, ri, c, r, S, P, hd, C, mode, snap_
     are split into ``nblocks`` blocks, run as ``cpu_threads`` decides; a block allocates its
     scratch once."""
     nbp = wi.shape[0] * P
-    if not on_pool(wi.size * hd):
+    if not on_pool():
         _fwd_prange(bank, fmt, wi, a, v, beta, ri, c, r, S, P, hd, C, mode, snap_nat, snap_u16,
                     snap_u8, scales, bad, nblocks)
         return
@@ -329,7 +329,7 @@ def sdm_fwd_seq_kernel(bank, wi, a, v, beta, ri, c, r, S, P, hd, C, mode, snap_n
     """SPEC §2 for native banks; blocks of (b, group of ``P // ngroups`` heads), run as
     ``cpu_threads`` decides. v, r are [B*T, D]; ``bad`` [B*P, 2] gets the counts of ids
     outside [0, S) (only its sums mean anything) and must be zero on entry."""
-    if not on_pool(wi.size * hd):
+    if not on_pool():
         _seq_prange(bank, wi, a, v, beta, ri, c, r, S, P, hd, C, mode, snap_nat, snap_u16,
                     snap_u8, scales, bad, ngroups)
         return

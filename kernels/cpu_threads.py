@@ -15,9 +15,9 @@ the GIL once to start its block, and the GIL passes from one sleeping thread to 
 pool against 1.4 on the ``prange``, whose threads start without the GIL. With 2 threads there
 is one hand-off, and the two run at the same speed.
 
-A call below ``SERIAL_BELOW`` row elements runs on the calling thread alone, whatever the
-thread count. Every block writes only its own heads, so the results are bitwise the same on
-any path, for any thread count and in any order.
+On the pool, a call below ``SERIAL_BELOW`` row elements runs on the calling thread alone. Every
+block writes only its own heads, so the results are bitwise the same on any path, for any
+thread count and in any order.
 """
 
 from __future__ import annotations
@@ -67,10 +67,10 @@ def threads() -> int:
 POOL_MAX_THREADS = 2
 
 
-def on_pool(work: int | None = None) -> bool:
-    """Whether a call of ``work`` row elements runs on the calling thread and the pool
-    (``parallel_for``) rather than on a ``prange`` wrapper."""
-    return threads() <= POOL_MAX_THREADS or (work is not None and work < SERIAL_BELOW)
+def on_pool() -> bool:
+    """Whether a call runs on the calling thread and the pool (``parallel_for``) rather than
+    on a ``prange`` wrapper, which starts its threads for less (as before stop 44)."""
+    return threads() <= POOL_MAX_THREADS
 
 
 #: below this many row elements (B·T·P·W·hd) a call runs on the calling thread alone: handing

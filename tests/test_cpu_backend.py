@@ -179,10 +179,6 @@ def test_prange_and_pool_paths_give_the_same_bits(rng, monkeypatch, dtype):
     for other in outs[1:]:
         for x, y in zip(outs[0], other):
             assert np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
-    # a call below SERIAL_BELOW runs on the caller alone, whatever the thread count
-    monkeypatch.setattr(cpu_threads, "SERIAL_BELOW", 1 << 17)
-    monkeypatch.setattr(cpu_threads, "POOL_MAX_THREADS", 0)
-    assert cpu_threads.on_pool(work=(1 << 17) - 1) and not cpu_threads.on_pool(work=1 << 17)
 
 
 @pytest.mark.parametrize("case", [
