@@ -4,19 +4,19 @@ Kernels and the SPEC steps they implement
 -----------------------------------------
 ``sdm_fwd_seq_kernel`` (``cpu_fwd``, SPEC §2), the forward of float32/float64 banks: the
 recurrence itself, token by token, with no G, H or substitution. Blocks of (b, group of heads),
-run on a pool of threads (``cpu_threads``): one group holds all P heads of b unless the B blocks
-do not split evenly over the threads (``_groups``). A worker owns its heads' S×hd blocks, so it
-needs no atomics, and per token it runs each phase over all heads of the group: pred_t = k_t·M
-(the W rows summed 8 at a time per pass over the columns, in w order), u_t = β_t(v_t − pred_t)
-and the scatter M[i] += a u_t in w order, then r_t = q_t·M. With snapshots, each chunk of C
-tokens first copies the rows its write entries will change (the bank holds M0 then: exactly the
-rows of step 1 below, so the backward is the same); without (``needs_backward=False``) there is
-no snapshot work at all. Rows of token t+2 are prefetched (``PREFETCH_SEQ``, to L2:
-``PREFETCH_LOC``). On a CPU the chunked form costs more than it saves: one worker walks the
-tokens of a head in order anyway, and the recurrence touches each row while it is hot (the
-scatter hits rows just gathered) with no slot table or overlap matrices (SPEC §3's chunk is for
-parallel tokens; §2 says C changes results only by rounding). It is bitwise the same with and
-without snapshots and for every snapshot mode.
+run on ``cpu_threads``' threads (see Threads below): one group holds all P heads of b unless the
+B blocks do not split evenly over the threads (``_groups``). A worker owns its heads' S×hd
+blocks, so it needs no atomics, and per token it runs each phase over all heads of the group:
+pred_t = k_t·M (the W rows summed 8 at a time per pass over the columns, in w order), u_t =
+β_t(v_t − pred_t) and the scatter M[i] += a u_t in w order, then r_t = q_t·M. With snapshots,
+each chunk of C tokens first copies the rows its write entries will change (the bank holds M0
+then: exactly the rows of step 1 below, so the backward is the same); without
+(``needs_backward=False``) there is no snapshot work at all. Rows of token t+2 are prefetched
+(``PREFETCH_SEQ``, to L2: ``PREFETCH_LOC``). On a CPU the chunked form costs more than it saves:
+one worker walks the tokens of a head in order anyway, and the recurrence touches each row while
+it is hot (the scatter hits rows just gathered) with no slot table or overlap matrices (SPEC
+§3's chunk is for parallel tokens; §2 says C changes results only by rounding). It is bitwise
+the same with and without snapshots and for every snapshot mode.
 
 ``sdm_fwd_kernel`` (``cpu_fwd``, SPEC §3), the chunked forward, used for 16-bit banks (it
 rounds each written row once per chunk, not once per token). Blocks of the B·P (batch,

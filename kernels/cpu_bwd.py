@@ -159,11 +159,11 @@ def sdm_bwd_kernel(bank, fmt, wi, a, v, beta, ri, c, dr, dM, S, P, hd, C, mode, 
     """SPEC §4 for every (b, p); see the module docstring. v, dr, dv are [B*T, D]. The B·P
     heads are split into ``nblocks`` blocks, run as ``cpu_threads`` decides; a block
     allocates its scratch once."""
-    nbp = wi.shape[0] * P
     if not on_pool():
         _bwd_prange(bank, fmt, wi, a, v, beta, ri, c, dr, dM, S, P, hd, C, mode, snap_nat,
                     snap_u16, snap_u8, scales, da, dv, dbeta, dc, bad, nblocks)
         return
+    nbp = wi.shape[0] * P
 
     def block(blk):
         _bwd_heads(blk * nbp // nblocks, (blk + 1) * nbp // nblocks, bank, fmt, wi, a, v, beta,

@@ -138,11 +138,11 @@ def sdm_fwd_kernel(bank, fmt, wi, a, v, beta, ri, c, r, S, P, hd, C, mode, snap_
     """SPEC §3 for every (b, p); see the module docstring. v, r are [B*T, D]. The B·P heads
     are split into ``nblocks`` blocks, run as ``cpu_threads`` decides; a block allocates its
     scratch once."""
-    nbp = wi.shape[0] * P
     if not on_pool():
         _fwd_prange(bank, fmt, wi, a, v, beta, ri, c, r, S, P, hd, C, mode, snap_nat, snap_u16,
                     snap_u8, scales, bad, nblocks)
         return
+    nbp = wi.shape[0] * P
 
     def block(blk):
         _fwd_heads(blk * nbp // nblocks, (blk + 1) * nbp // nblocks, bank, fmt, wi, a, v, beta,
