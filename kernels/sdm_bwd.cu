@@ -206,6 +206,9 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
                unsigned mW, unsigned mNPC, unsigned mNPC_last) {
   typedef typename Snap<T, Q>::type ST;
   const int tile = blockIdx.x % ntile, bp = blockIdx.x / ntile, p = bp % P, b = bp / P;
+#ifdef SDM_BWD_STAGGER
+  SDM_STAGGER(bp, SDM_BWD_STAGGER);
+#endif
   const int D = P * hd, c0 = tile * TW, tw = min(TW, hd - c0), nseg = n_hi - n_lo;
   const int NPC = (tw + N - 1) / N, TWP = ((TW + N - 1) / N) * N, TVP = (TWP + 7) & ~7;
   const int NPT = TWP / N;   // partial-sum slots per entry

@@ -507,4 +507,14 @@ struct FastDiv {
   }
 };
 
+
+// Benchmarks only (-DSDM_BWD_STAGGER=ns, -DSDM_FWD_STAGGER=ns): the blocks of odd (b, p) sleep
+// about that long (the hardware takes it as a hint, up to 1 ms) before their first chunk, so
+// that the blocks' phases (gathers, products) fall at different times across the SMs
+#if !defined(SDM_EMULATE)
+#define SDM_STAGGER(bp, ns) do { if ((bp) & 1) __nanosleep(ns); } while (0)
+#else
+#define SDM_STAGGER(bp, ns) do { } while (0)
+#endif
+
 }  // namespace sdm

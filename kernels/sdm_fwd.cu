@@ -115,6 +115,9 @@ sdm_fwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
                unsigned mW, unsigned mNPC, unsigned mNPC_last) {
   typedef typename Snap<T, Q>::type ST;
   const int tile = blockIdx.x % ntile, bp = blockIdx.x / ntile, p = bp % P, b = bp / P;
+#ifdef SDM_FWD_STAGGER
+  SDM_STAGGER(bp, SDM_FWD_STAGGER);
+#endif
   const int D = P * hd, c0 = tile * TW, tw = min(TW, hd - c0);
   const int NPC = (tw + N - 1) / N, TWP = ((TW + N - 1) / N) * N, TVP = (TWP + 7) & ~7;
   const bool vb = vecmask & 1, vo = vecmask & 4, vs = vecmask & 8, v16 = vecmask & 32;
