@@ -507,7 +507,6 @@ struct FastDiv {
   }
 };
 
-
 // Benchmarks only (-DSDM_BWD_STAGGER=ns, -DSDM_FWD_STAGGER=ns): the blocks of odd (b, p) sleep
 // about that long (the hardware takes it as a hint, up to 1 ms) before their first chunk, so
 // that the blocks' phases (gathers, products) fall at different times across the SMs
