@@ -6,7 +6,8 @@
 # other half compute. 1 ns is the control: the same machine code as the staggered variants
 # (only the sleep's immediate differs), which differs from main's; "main" is main's code.
 # A chunk takes about 60 us of backward at W = 16 on an H100, 30 us at W = 8, and 15 us of
-# forward at W = 16, so the sleeps are a quarter and half of that.
+# forward at W = 16, so the sleeps are a quarter and half of that. q15: four phases, the blocks
+# of (b, p) mod 4 = k sleeping k times 15 us.
 #   STEPS="bwd16 bwd8 fwd" (the default), each fwd_ab.py graph replays checked bit for bit
 # Run from the repository root, carrying .whl: BUDGET=300 bash benchmarks/stagger_ab.sh
 set -u
@@ -18,7 +19,9 @@ F=../kernels/sdm_fwd.cu
 for step in ${STEPS:-bwd16 bwd8 fwd}; do
   case $step in
     bwd16) ab c1=$B:-DSDM_BWD_STAGGER=1 s15=$B:-DSDM_BWD_STAGGER=15000 \
-              s30=$B:-DSDM_BWD_STAGGER=30000 c2=$B:-DSDM_BWD_STAGGER=1 main=$B \
+              s30=$B:-DSDM_BWD_STAGGER=30000 \
+              q15="$B:-DSDM_BWD_STAGGER=15000 -DSDM_STAGGER_PHASES=4" \
+              c2=$B:-DSDM_BWD_STAGGER=1 main=$B \
               --source bwd --graph --check --backward --W 16 --reps 10 ;;
     bwd8) ab c1=$B:-DSDM_BWD_STAGGER=1 s8=$B:-DSDM_BWD_STAGGER=8000 \
              s15=$B:-DSDM_BWD_STAGGER=15000 c2=$B:-DSDM_BWD_STAGGER=1 main=$B \

@@ -509,9 +509,15 @@ struct FastDiv {
 
 // Benchmarks only (-DSDM_BWD_STAGGER=ns, -DSDM_FWD_STAGGER=ns): the blocks of odd (b, p) sleep
 // about that long (the hardware takes it as a hint, up to 1 ms) before their first chunk, so
-// that the blocks' phases (gathers, products) fall at different times across the SMs
+// that the blocks' phases (gathers, products) fall at different times across the SMs. With
+// -DSDM_STAGGER_PHASES=k the blocks of (b, p) sleep (b, p) mod k times that instead
 #if !defined(SDM_EMULATE)
+#ifndef SDM_STAGGER_PHASES
 #define SDM_STAGGER(bp, ns) do { if ((bp) & 1) __nanosleep(ns); } while (0)
+#else
+#define SDM_STAGGER(bp, ns) \
+  do { if ((bp) % SDM_STAGGER_PHASES) __nanosleep((ns) * ((bp) % SDM_STAGGER_PHASES)); } while (0)
+#endif
 #else
 #define SDM_STAGGER(bp, ns) do { } while (0)
 #endif
