@@ -47,6 +47,10 @@ __device__ __forceinline__ int bws_max(int W) { return W > 16 ? 4 : 2; }
 #define SDM_BWD_GB 2
 #endif
 constexpr int BG = SDM_BWD_GB;
+// Diagnostics (benchmarks/bwd_bound.sh; wrong results, never in the product): what the
+// backward would gain if the grouped loads of round 1's pass A (-DSDM_BWD_PROBE_A) or of
+// round 2 (-DSDM_BWD_PROBE_R2) cost less: =1 loads the same number of pieces from 256 rows
+// that stay in L2 (row e mod 256 for entry e; min(that, S - 1)), =2 loads nothing (zeros).
 constexpr int BE_STAGE = 1024; // CSR entries of a chunk staged in shared memory (more: from L2)
 constexpr int B_RUN_HEAD = 1 << 30, B_RUN_BAD = 1 << 29, B_QMASK = (1 << 14) - 1;
 
@@ -442,8 +446,18 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
                 okw[k] = valid_id(id, S);
                 okr[k] = valid_id(jd, S);
                 lkk[k] = g.rl[e] != 0;
+#if !defined(SDM_BWD_PROBE_A)
                 gq[k].load(dM_b + (long long)(okw[k] ? id : 0) * D + cc);
                 bq[k].load(bank_b + (long long)(okr[k] && !lkk[k] ? jd : 0) * D + cc);
+#elif SDM_BWD_PROBE_A == 1   // diagnostic, wrong results: the same loads from 256 hot rows
+                gq[k].load(dM_b + min((long long)(e & 255), S - 1) * D + cc);
+                bq[k].load(bank_b + min((long long)(e & 255), S - 1) * D + cc);
+#else                        // diagnostic, wrong results: no loads
+#pragma unroll
+                for (int j = 0; j < RawPiece<N, Gt>::NQ; ++j) gq[k].u.q[j] = make_int4(0, 0, 0, 0);
+#pragma unroll
+                for (int j = 0; j < RawPiece<N, T>::NQ; ++j) bq[k].u.q[j] = make_int4(0, 0, 0, 0);
+#endif
               }
 #pragma unroll
               for (int k = 0; k < BG; ++k) {
@@ -725,7 +739,14 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
                     gq[k].u.q[j] = reinterpret_cast<const int4*>(
                         DM_s + (long long)(t * W + w0 + k * WS) * TWP + cc)[j];
                 } else {
+#if !defined(SDM_BWD_PROBE_R2)
                   gq[k].load(dM_b + (long long)(okk[k] ? idk[k] : 0) * D + cc);
+#elif SDM_BWD_PROBE_R2 == 1   // diagnostic, wrong results: the same loads from 256 hot rows
+                  gq[k].load(dM_b + min((long long)((t * W + w0 + k * WS) & 255), S - 1) * D + cc);
+#else                         // diagnostic, wrong results: no loads
+#pragma unroll
+                  for (int j = 0; j < RawPiece<N, Gt>::NQ; ++j) gq[k].u.q[j] = make_int4(0, 0, 0, 0);
+#endif
                 }
               }
 #pragma unroll
