@@ -51,6 +51,10 @@ constexpr int BG = SDM_BWD_GB;
 // backward would gain if the grouped loads of round 1's pass A (-DSDM_BWD_PROBE_A) or of
 // round 2 (-DSDM_BWD_PROBE_R2) cost less: =1 loads the same number of pieces from 256 rows
 // that stay in L2 (row e mod 256 for entry e; min(that, S - 1)), =2 loads nothing (zeros).
+// And of the last phase: -DSDM_BWD_PROBE_PE drops the per-entry sums (da, dc with the overlap
+// terms), -DSDM_BWD_PROBE_SC=1 keeps the scatter's run walks but not its adds to dM (each
+// add is called with no element to add: S > 0, which the compiler cannot know), =2 drops
+// the scatter.
 constexpr int BE_STAGE = 1024; // CSR entries of a chunk staged in shared memory (more: from L2)
 constexpr int B_RUN_HEAD = 1 << 30, B_RUN_BAD = 1 << 29, B_QMASK = (1 << 14) - 1;
 
@@ -799,7 +803,11 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
     __syncthreads();
     // per entry (one thread per sorted position): its parts in piece order plus the overlap
     // terms of its run, then one atomicAdd per tile
+#if defined(SDM_BWD_PROBE_PE)   // diagnostic, wrong results: no per-entry sums
+    for (int ps = threadIdx.x; ps < 0; ps += blockDim.x) {
+#else
     for (int ps = threadIdx.x; ps < 2 * Ne; ps += blockDim.x) {
+#endif
       const int code = g.srt[ps];
       if (code & B_RUN_BAD) continue;
       const int q = code & B_QMASK;
@@ -842,7 +850,11 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
       atomic_add(d_beta + tokb + (long long)t * P, sb);
     }
     // scatter into dM: one thread per (run head, piece) sums its run in entry order
+#if defined(SDM_BWD_PROBE_SC) && SDM_BWD_PROBE_SC == 2   // diagnostic, wrong results: none
+    for (int task = threadIdx.x; task < 0; task += blockDim.x) {
+#else
     for (int task = threadIdx.x; task < 2 * Ne * NPC; task += blockDim.x) {
+#endif
       const int ps = divNPC.div(task), code = g.srt[ps];
       if (!(code & B_RUN_HEAD) || (code & B_RUN_BAD)) continue;
       const int cc = (task - ps * NPC) * N, nv = min(N, tw - cc);
@@ -862,7 +874,11 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
         for (int i = 0; i < N; ++i) acc[i] += f * src[i];
       }
       const long long slot = q < Ne ? (long long)g.wid[q] : (long long)g.rid[q - Ne];
+#if defined(SDM_BWD_PROBE_SC) && SDM_BWD_PROBE_SC == 1   // diagnostic: the walks, no adds
+      add_grad<N>(dM_b + slot * D + cc, acc, S < 0 ? nv : 0, vg);   // S > 0: nothing added
+#else
       add_grad<N>(dM_b + slot * D + cc, acc, nv, vg);
+#endif
     }
     __syncthreads();
   }
