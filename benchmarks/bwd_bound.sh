@@ -12,9 +12,7 @@
 # Run from the repository root, carrying .whl: BUDGET=400 ABT=190 bash benchmarks/bwd_bound.sh
 set -u
 cd "$(dirname "$0")/.."
-BUDGET=${BUDGET:-400}
-. benchmarks/device_lib.sh
-B=../kernels/sdm_bwd.cu
+. benchmarks/device_lib.sh   # B: the backward source
 for step in ${STEPS:-rows last}; do
   case $step in
     rows) ab base=$B a1=$B:-DSDM_BWD_PROBE_A=1 a2=$B:-DSDM_BWD_PROBE_A=2 \

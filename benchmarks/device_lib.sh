@@ -1,8 +1,9 @@
-# The device scripts' common part (device_main.sh, stop33_ab.sh, stop34_ab.sh): source it from
-# the repository root once BUDGET is set. It prints the card with its clocks, power cap and
-# temperature (timings vary between leases of one kind: stop 30's H200 ran the pre-pass in
-# 0.166 ms, stop 31's in 0.130-0.144), installs the carried wheels (.whl: FLA for the
-# benchmarks) and the checkout without the registry, and defines:
+# The device scripts' common part (device_main.sh, stop33_ab.sh, stop34_ab.sh, ...): source it
+# from the repository root (BUDGET defaults to 300 s). It prints the card with its clocks, power
+# cap and temperature (timings vary between leases of one kind: stop 30's H200 ran the pre-pass
+# in 0.166 ms, stop 31's in 0.130-0.144), installs the carried wheels (.whl: FLA for the
+# benchmarks) and the checkout without the registry, and defines B and F (the backward's and
+# the forward's source, as fwd_ab.py's variants name them from benchmarks/) and:
 #   left            seconds left of BUDGET since the source
 #   run_suite S     the GPU suite (benchmarks/gpu_check.py, 16 workers) for at most S seconds;
 #                   the deadline covers the modules' warm-up too (stop 30, H200: 70 s of
@@ -17,6 +18,9 @@
 #                   at most ABT seconds (default 150), its table and check lines only
 ROOT=$(pwd)
 T0=$(date +%s)
+BUDGET=${BUDGET:-300}
+B=../kernels/sdm_bwd.cu
+F=../kernels/sdm_fwd.cu
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.limit,temperature.gpu \
     --format=csv,noheader

@@ -12,10 +12,7 @@
 # Run from the repository root, carrying .whl: BUDGET=300 bash benchmarks/stagger_ab.sh
 set -u
 cd "$(dirname "$0")/.."
-BUDGET=${BUDGET:-300}
-. benchmarks/device_lib.sh
-B=../kernels/sdm_bwd.cu
-F=../kernels/sdm_fwd.cu
+. benchmarks/device_lib.sh   # B, F: the backward and forward sources
 for step in ${STEPS:-bwd16 bwd8 fwd}; do
   case $step in
     bwd16) ab c1=$B:-DSDM_BWD_STAGGER=1 s15=$B:-DSDM_BWD_STAGGER=15000 \
