@@ -15,7 +15,9 @@
 #                   SUITE_S (which leaves the rest to later steps)
 #   bench_step      run_bench for the time left
 #   ab ARGS         benchmarks/fwd_ab.py ARGS in benchmarks/ (variant files relative to it) for
-#                   at most ABT seconds (default 150), its table and check lines only
+#                   at most ABT seconds (default 150), its table and check lines only; the
+#                   whole output also goes to $OUT/ab.log, which comes back with the call
+#                   (`python benchmarks/plot_ab.py ab.log --out ab.png` plots its tables)
 ROOT=$(pwd)
 T0=$(date +%s)
 BUDGET=${BUDGET:-300}
@@ -41,7 +43,7 @@ run_sanitize() {
 ab() {
   echo "== $* (elapsed $(( $(date +%s) - T0 )) s)"
   (cd "$ROOT/benchmarks" && timeout ${ABT:-150} python3 fwd_ab.py "$@" 2>&1 \
-     | grep -E "^\| [a-z]|bitwise|Error|error|forward")
+     | tee -a ${OUT:-/tmp}/ab.log | grep -E "^\| [a-z]|bitwise|Error|error|forward")
 }
 suite_step() {
   local L=$(( $(left) - 10 ))
