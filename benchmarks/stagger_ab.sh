@@ -1,6 +1,6 @@
 #!/bin/bash
-# Stop 46's probe, not yet run on a GPU: do the kernels lose time because all 128 blocks reach
-# their gathers at once and then compute while memory idles? The blocks of odd (b, p) sleep
+# Stop 46's probe (run in stop 47 on an H100: no gain anywhere, RESULTS): do the kernels lose
+# time because all 128 blocks reach their gathers at once and then compute while memory idles? The blocks of odd (b, p) sleep
 # before their first chunk (-DSDM_BWD_STAGGER=ns, -DSDM_FWD_STAGGER=ns, compile-time, off by
 # default: without them the machine code is main's), so that half the SMs gather while the
 # other half compute. 1 ns is the control: the same machine code as the staggered variants
