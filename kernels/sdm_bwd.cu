@@ -47,6 +47,13 @@ __device__ __forceinline__ int bws_max(int W) { return W > 16 ? 4 : 2; }
 #define SDM_BWD_GB 2
 #endif
 constexpr int BG = SDM_BWD_GB;
+// Solo entries (the only valid entry of their slot in a chunk): round 2 adds a write's term to
+// its dM row, the reads' terms go out in the phase after u (-DSDM_BWD_SOLO_READS=2) or in round
+// 2 (=1), and the scatter walks only the runs of two or more; -DSDM_BWD_NO_SOLO: the scatter
+// adds every run's sum (before stop 48)
+#ifndef SDM_BWD_SOLO_READS
+#define SDM_BWD_SOLO_READS 2
+#endif
 // Diagnostics (benchmarks/bwd_bound.sh; wrong results, never in the product): what the
 // backward would gain if the grouped loads of round 1's pass A (-DSDM_BWD_PROBE_A) or of
 // round 2 (-DSDM_BWD_PROBE_R2) cost less: =1 loads the same number of pieces from 256 rows
@@ -154,6 +161,31 @@ __device__ __forceinline__ void add_grad(Gt* __restrict__ p, const A (&g)[N], in
   }
 }
 
+// dM[row piece] of a solo write entry (round 2 holds the piece, `old`, and no other entry of
+// the chunk touches the row): old + the term f z that the scatter would add, with the same
+// bits as add_grad's atomic or read-modify-write (the atomic flushes subnormals, this does not)
+template <int N, typename A, typename Gt>
+__device__ __forceinline__ void solo_grad(Gt* __restrict__ p, const A (&old)[N], A f,
+                                          const A* z, int nv, bool vec) {
+  A acc[N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    acc[i] = A(0);
+    acc[i] += f * z[i];
+  }
+  if constexpr (sizeof(Gt) >= 4) {
+    Gt v[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] = From<Gt>::cvt(old[i]) + From<Gt>::cvt(acc[i]);
+    store_raw<N>(p, v, nv, vec);
+  } else {
+    A m[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) m[i] = old[i] + acc[i];
+    store_piece<N>(p, m, nv, vec);
+  }
+}
+
 template <bool B> struct BoolC { static constexpr bool value = B; };
 
 // dot product of two tile rows of `np` whole pieces (zero past the tile's width)
@@ -239,6 +271,11 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
   A* pc_s = reinterpret_cast<A*>(sp); sp += r16((long long)C * W * NPT * sizeof(A));  // dc parts
   A* pb_s = reinterpret_cast<A*>(sp);                                                 // dbeta
   sp += r16((long long)C * NPT * sizeof(A));
+#ifndef SDM_BWD_NO_SOLO
+  // per entry (writes, then reads): 1 where its slot has no other valid entry in the chunk
+  unsigned char* fl_s = sp;
+  sp += r16((long long)2 * C * W);
+#endif
   T* SN_s = reinterpret_cast<T*>(sp);   // C*W snapshot rows of the tile (only when staged)
   // ssnap == 2 (the dM stage): after SN_s, the C*W dM rows of the chunk's write entries and the
   // C*W bank rows of its reads (row 0 where a write of the chunk links the read, or its id is bad)
@@ -662,6 +699,16 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
 #pragma unroll
       for (int i = 0; i < N; ++i) U_s[t * TWP + cc + i] = u[i];
     }
+#ifndef SDM_BWD_NO_SOLO
+    // solo entries: the only valid entry of their slot in the chunk (a run of one). Round 2
+    // adds their terms to dM itself (a write's right after its own dM loads: no other entry
+    // of the chunk reads that row), and the scatter skips them
+    for (int ps = threadIdx.x; ps < 2 * Ne; ps += blockDim.x) {
+      const int code = g.srt[ps];
+      const bool last = ps + 1 == 2 * Ne || (g.srt[ps + 1] & B_RUN_HEAD);
+      fl_s[code & B_QMASK] = (code & B_RUN_HEAD) && last && !(code & B_RUN_BAD);
+    }
+#endif
     __syncthreads();
     // e = e0 - tril(G,-1) u ;  du = D + H^T dr   (each in place on its own (t, piece))
     for (int task = threadIdx.x; task < TP; task += blockDim.x) {
@@ -679,6 +726,23 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
         for (int i = 0; i < N; ++i) D_s[t * TWP + cc + i] += f * R_s[s * TWP + cc + i];
       }
     }
+#if !defined(SDM_BWD_NO_SOLO) && SDM_BWD_SOLO_READS == 2
+    // the solo reads' terms c dr_t: no entry of the chunk reads their dM rows, so they go out
+    // now, one task per (entry, piece) (the threads with no task above start here)
+    for (int task = threadIdx.x; task < Ne * NPC; task += blockDim.x) {
+      const int e = divNPC.div(task);
+      if (!fl_s[Ne + e]) continue;
+      const int cc = (task - e * NPC) * N, nv = min(N, tw - cc), t = divW.div(e);
+      const A f = g.cw[e];
+      A acc[N];
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        acc[i] = A(0);
+        acc[i] += f * R_s[t * TWP + cc + i];
+      }
+      add_grad<N>(dM_b + (long long)g.rid[e] * D + cc, acc, nv, vg);
+    }
+#endif
     __syncthreads();
     // z = Ainv^T du
     for (int task = threadIdx.x; task < TP; task += blockDim.x) {
@@ -769,6 +833,11 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
 #pragma unroll
                 for (int i = 0; i < N; ++i) sa += zu[i] * gg[i] + dx[i] * m[i];
                 pa_s[e * NPT + pc] = okk[k] ? sa : A(0);
+#ifndef SDM_BWD_NO_SOLO
+                if (okk[k] && fl_s[e])
+                  solo_grad<N>(dM_b + (long long)idk[k] * D + cc, gg, -g.aw[e] * bt,
+                               Z_s + t * TWP + cc, N, true);
+#endif
               }
             }
             w_rest = w0;
@@ -796,7 +865,27 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
 #pragma unroll
           for (int i = 0; i < N; ++i) sa += zu[i] * gg[i] + dx[i] * m[i];
           pa_s[e * NPT + pc] = ok ? sa : A(0);
+#ifndef SDM_BWD_NO_SOLO
+          if (ok && fl_s[e])
+            solo_grad<N>(dM_b + (long long)id * D + cc, gg, -g.aw[e] * bt, Z_s + t * TWP + cc,
+                         nv, F || vg);
+#endif
         }
+#if !defined(SDM_BWD_NO_SOLO) && SDM_BWD_SOLO_READS == 1
+        // the solo reads' terms: their rows are not read in this chunk, so they go to dM now
+        for (int w = ws; w < W; w += WS) {
+          const int e = t * W + w;
+          if (!fl_s[Ne + e]) continue;
+          const A f = g.cw[e];
+          A acc[N];
+#pragma unroll
+          for (int i = 0; i < N; ++i) {
+            acc[i] = A(0);
+            acc[i] += f * R_s[t * TWP + cc + i];
+          }
+          add_grad<N>(dM_b + (long long)g.rid[e] * D + cc, acc, nv, F || vg);
+        }
+#endif
       }
     };
     if (fast) round2(BoolC<true>()); else round2(BoolC<false>());
@@ -857,6 +946,9 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
 #endif
       const int ps = divNPC.div(task), code = g.srt[ps];
       if (!(code & B_RUN_HEAD) || (code & B_RUN_BAD)) continue;
+#ifndef SDM_BWD_NO_SOLO
+      if (fl_s[code & B_QMASK]) continue;   // round 2 added its term
+#endif
       const int cc = (task - ps * NPC) * N, nv = min(N, tw - cc);
       const int q = code & B_QMASK;
       A acc[N];

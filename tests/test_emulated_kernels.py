@@ -476,6 +476,53 @@ def test_prepass_hash_tables_and_live_walks_are_bitwise_the_sort(rng, monkeypatc
         assert np.array_equal(a, b), f"{name}: the hashed pre-pass and the sort differ"
 
 
+MIXED = dict(B=2, T=70, P=2, hd=32, S=300, W=5)   # a chunk's slots: solo ones and repeated ones
+SOLO_CASES = {
+    "f32": (dict(MIXED, dtype=np.float32), {}, {}),
+    "f64-C5": (dict(B=2, T=37, P=2, hd=20, S=40, W=4), dict(C=5), {}),
+    "bf16-hd20-partial": (dict(B=1, T=50, P=3, hd=20, S=64, W=4, dtype=BF16), dict(C=16), {}),
+    "bf16-grad-bank-bf16": (dict(MIXED, dtype=BF16), dict(grad_bank_fp32=False), {}),
+    "f32-bwd-ranges-256": (dict(MIXED, dtype=np.float32), dict(C=8),
+                           dict(BWD_SCRATCH=1, BWD_THREADS=256)),
+}
+
+
+@pytest.mark.parametrize("case", list(SOLO_CASES))
+def test_backward_solo_entries_are_bitwise_the_scatter(rng, monkeypatch, case):
+    """The backward adds a solo entry's term (the only valid entry of its slot in the chunk)
+    outside the scatter: a write's in round 2, to the dM piece it has just loaded; the reads'
+    in the phase after u (or, -DSDM_BWD_SOLO_READS=1, in round 2). Against -DSDM_BWD_NO_SOLO,
+    where the scatter adds every run: the grad bank (from a nonzero incoming one), the value
+    gradients and the rewound bank bit for bit the same (one column tile: the weight grads'
+    atomics add in one order, so they are compared too), with solo and repeated slots in one
+    chunk, partial pieces, a 16-bit grad bank and backward ranges; all match the reference."""
+    from sdm_cupy.kernels import gpu
+    pkw, ckw, kn = SOLO_CASES[case]
+    pb = make_problem(rng, **pkw)
+    cfg = _cfg(pb, **ckw)
+    dr = rng.normal(size=pb.values.shape)
+    dM = None if "grad_bank_fp32" in ckw else rng.normal(size=pb.bank.shape)
+    lay = sdm._validate.layout(pb.bank, *pb.inputs, cfg)
+    outs = []
+    with _gpu_knobs(**kn, BWD_TILE_WIDTH=pb.hd):
+        for k, macros in enumerate(((), ("-DSDM_BWD_NO_SOLO",), ("-DSDM_BWD_SOLO_READS=1",))):
+            err = emu.patch(monkeypatch, seed=k * 7919 + 11, macros=macros)
+            if k == 0:   # not vacuous: chunk 0 holds a solo slot and a repeated one
+                C = gpu.backward_plan(lay, cfg).C
+                ids = np.concatenate([pb.write_idx[0, :C, 0].ravel(), pb.read_idx[0, :C, 0].ravel()])
+                counts = np.unique(ids, return_counts=True)[1]
+                assert (counts == 1).any() and (counts > 1).any(), f"{case}: no mix of runs"
+            r, fin, g, rewound = _run(pb, cfg, dr, dM)
+            assert err[0] == 0
+            outs.append([np.asarray(a).view(np.uint8).copy() for a in (*g, rewound)])
+    for k, name in ((1, "the scatter of every run"), (2, "solo reads in round 2")):
+        for what, a, b in zip(GRADS + ("rewound bank",), outs[0], outs[k]):
+            assert np.array_equal(a, b), f"{case}: {what} differs from {name}"
+    _, gtol = max(TOL[pb.bank.dtype], TOL[pb.values.dtype])
+    for name, got, want in zip(GRADS, g, reference_bwd(pb, dr, dM)):
+        assert_close(got, want, gtol, f"grad {name}")
+
+
 @pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
 def test_forward_is_bitwise_the_same_in_any_block_and_thread_order(rng, monkeypatch, dtype):
     """Three seeds, three orders of blocks and of threads between barriers: readings, final
