@@ -276,6 +276,14 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
   unsigned char* fl_s = sp;
   sp += r16((long long)2 * C * W);
 #endif
+#if defined(SDM_BWD_HEAD_LIST) && !defined(SDM_BWD_NO_SOLO)
+  // the sorted positions of the heads of runs of two or more (at most C*W of them), then
+  // their count; the scatter takes its tasks from there (the launcher's _smem counts them)
+  unsigned short* hl_s = reinterpret_cast<unsigned short*>(sp);
+  sp += r16((long long)2 * C * W);
+  int* nh_s = reinterpret_cast<int*>(sp);
+  sp += 16;
+#endif
   T* SN_s = reinterpret_cast<T*>(sp);   // C*W snapshot rows of the tile (only when staged)
   // ssnap == 2 (the dM stage): after SN_s, the C*W dM rows of the chunk's write entries and the
   // C*W bank rows of its reads (row 0 where a write of the chunk links the read, or its id is bad)
@@ -678,6 +686,9 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
         }
       }
     };
+#if defined(SDM_BWD_HEAD_LIST) && !defined(SDM_BWD_NO_SOLO)
+    if (threadIdx.x == 0) *nh_s = 0;   // the last chunk's scatter read it before its barrier
+#endif
     if (dst) round1d();
     else if (sst) round1s();
     else if (fast) round1(BoolC<true>());
@@ -707,6 +718,10 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
       const int code = g.srt[ps];
       const bool last = ps + 1 == 2 * Ne || (g.srt[ps + 1] & B_RUN_HEAD);
       fl_s[code & B_QMASK] = (code & B_RUN_HEAD) && last && !(code & B_RUN_BAD);
+#if defined(SDM_BWD_HEAD_LIST)
+      if ((code & B_RUN_HEAD) && !last && !(code & B_RUN_BAD))
+        hl_s[atomicAdd(nh_s, 1)] = (unsigned short)ps;   // any order: one head per slot
+#endif
     }
 #endif
     __syncthreads();
@@ -941,15 +956,19 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
     // scatter into dM: one thread per (run head, piece) sums its run in entry order
 #if defined(SDM_BWD_PROBE_SC) && SDM_BWD_PROBE_SC == 2   // diagnostic, wrong results: none
     for (int task = threadIdx.x; task < 0; task += blockDim.x) {
+#elif defined(SDM_BWD_HEAD_LIST) && !defined(SDM_BWD_NO_SOLO)
+    for (int task = threadIdx.x, nh = *nh_s; task < nh * NPC; task += blockDim.x) {
+      const int hix = divNPC.div(task), ps = hl_s[hix], code = g.srt[ps];
+      const int cc = (task - hix * NPC) * N, nv = min(N, tw - cc);
 #else
     for (int task = threadIdx.x; task < 2 * Ne * NPC; task += blockDim.x) {
-#endif
       const int ps = divNPC.div(task), code = g.srt[ps];
       if (!(code & B_RUN_HEAD) || (code & B_RUN_BAD)) continue;
 #ifndef SDM_BWD_NO_SOLO
       if (fl_s[code & B_QMASK]) continue;   // round 2 added its term
 #endif
       const int cc = (task - ps * NPC) * N, nv = min(N, tw - cc);
+#endif
       const int q = code & B_QMASK;
       A acc[N];
 #pragma unroll

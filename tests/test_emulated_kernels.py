@@ -491,7 +491,8 @@ SOLO_CASES = {
 def test_backward_solo_entries_are_bitwise_the_scatter(rng, monkeypatch, case):
     """The backward adds a solo entry's term (the only valid entry of its slot in the chunk)
     outside the scatter: a write's in round 2, to the dM piece it has just loaded; the reads'
-    in the phase after u (or, -DSDM_BWD_SOLO_READS=1, in round 2). Against -DSDM_BWD_NO_SOLO,
+    in the phase after u (or, -DSDM_BWD_SOLO_READS=1, in round 2); -DSDM_BWD_HEAD_LIST lists
+    the heads of the longer runs for the scatter. Against -DSDM_BWD_NO_SOLO,
     where the scatter adds every run: the grad bank (from a nonzero incoming one), the value
     gradients and the rewound bank bit for bit the same (one column tile: the weight grads'
     atomics add in one order, so they are compared too), with solo and repeated slots in one
@@ -505,7 +506,8 @@ def test_backward_solo_entries_are_bitwise_the_scatter(rng, monkeypatch, case):
     lay = sdm._validate.layout(pb.bank, *pb.inputs, cfg)
     outs = []
     with _gpu_knobs(**kn, BWD_TILE_WIDTH=pb.hd):
-        for k, macros in enumerate(((), ("-DSDM_BWD_NO_SOLO",), ("-DSDM_BWD_SOLO_READS=1",))):
+        for k, macros in enumerate(((), ("-DSDM_BWD_NO_SOLO",), ("-DSDM_BWD_SOLO_READS=1",),
+                                    ("-DSDM_BWD_HEAD_LIST",))):
             err = emu.patch(monkeypatch, seed=k * 7919 + 11, macros=macros)
             if k == 0:   # not vacuous: chunk 0 holds a solo slot and a repeated one
                 C = gpu.backward_plan(lay, cfg).C
@@ -515,7 +517,8 @@ def test_backward_solo_entries_are_bitwise_the_scatter(rng, monkeypatch, case):
             r, fin, g, rewound = _run(pb, cfg, dr, dM)
             assert err[0] == 0
             outs.append([np.asarray(a).view(np.uint8).copy() for a in (*g, rewound)])
-    for k, name in ((1, "the scatter of every run"), (2, "solo reads in round 2")):
+    for k, name in ((1, "the scatter of every run"), (2, "solo reads in round 2"),
+                    (3, "the scatter's list of heads")):
         for what, a, b in zip(GRADS + ("rewound bank",), outs[0], outs[k]):
             assert np.array_equal(a, b), f"{case}: {what} differs from {name}"
     _, gtol = max(TOL[pb.bank.dtype], TOL[pb.values.dtype])
