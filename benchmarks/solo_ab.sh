@@ -8,7 +8,7 @@
 #   old   -DSDM_BWD_NO_SOLO (the scatter adds every run, as before stop 48)
 #   base  main (solo reads after u)        r1  solo reads in round 2
 #   list  the scatter's tasks from a list of the longer runs' heads (-DSDM_BWD_HEAD_LIST)
-# at W = 16 and 8 (list at 16 only), then the GPU suite with the time left (SUITE_S caps).
+# at W = 16 and 8 (list at 16 only, unless LIST=0), then the GPU suite with the time left (SUITE_S caps).
 # Run from the repository root, carrying .whl: BUDGET=560 bash benchmarks/solo_ab.sh
 set -u
 cd "$(dirname "$0")/.."
@@ -16,7 +16,7 @@ BUDGET=${BUDGET:-560}
 . benchmarks/device_lib.sh
 for w in ${WS:-16 8}; do
   ab old=$B:-DSDM_BWD_NO_SOLO base=$B r1=$B:-DSDM_BWD_SOLO_READS=1 \
-     $([ $w = 16 ] && echo list=$B:-DSDM_BWD_HEAD_LIST) old2=$B:-DSDM_BWD_NO_SOLO \
+     $([ $w = 16 ] && [ "${LIST:-1}" = 1 ] && echo list=$B:-DSDM_BWD_HEAD_LIST) old2=$B:-DSDM_BWD_NO_SOLO \
      --source bwd --graph --backward --check --W $w --reps 8
 done
 [ "${SUITE:-1}" = 1 ] && suite_step
