@@ -220,10 +220,8 @@ def _smem(C, W, TW, N, acc_size, quant, idx_size=4, val_size=4, bank_size=4, for
     bstage = (2 * _r16(cw * acc_size) + _r16(C * acc_size) + _r16(BE_STAGE * acc_size)
               + 2 * _r16(cw * idx_size) + 2 * _r16(C * tvp * val_size) + _r16((4 * C + 1) * 4)
               + _r16(2 * cw * 4) + _r16(cw * 4) + _r16(BE_STAGE))
-    # ... then pb_s (dbeta parts), fl_s (a byte per entry: its run is a solo one), hl_s and
-    # nh_s (the heads of longer runs, 2 bytes each, and their count)
     bwd = (2 * bstage + 5 * _r16(C * twp * acc_size) + 2 * _r16(cw * npt * acc_size)
-           + _r16(C * npt * acc_size) + _r16(2 * cw) + _r16(2 * cw) + 16)
+           + C * npt * acc_size)
     return pre, fwd, fwd_keep, bwd
 
 

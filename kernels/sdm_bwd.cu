@@ -47,10 +47,11 @@ __device__ __forceinline__ int bws_max(int W) { return W > 16 ? 4 : 2; }
 #define SDM_BWD_GB 2
 #endif
 constexpr int BG = SDM_BWD_GB;
-// Solo entries (the only valid entry of their slot in a chunk): round 2 adds a write's term to
-// its dM row, the reads' terms go out in the phase after u (-DSDM_BWD_SOLO_READS=2) or in round
-// 2 (=1), and the scatter walks only the runs of two or more; -DSDM_BWD_NO_SOLO: the scatter
-// adds every run's sum (before stop 48)
+// -DSDM_BWD_SOLO (stop 48, not yet timed on a GPU): solo entries (the only valid entry of
+// their slot in a chunk) skip the scatter. Round 2 adds a write's term to the dM piece it has
+// just loaded, the reads' terms go out in the phase after u (-DSDM_BWD_SOLO_READS=2) or in
+// round 2 (=1), and the scatter walks only the runs of two or more. Without it the scatter adds
+// every run's sum
 #ifndef SDM_BWD_SOLO_READS
 #define SDM_BWD_SOLO_READS 2
 #endif
@@ -271,19 +272,6 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
   A* pc_s = reinterpret_cast<A*>(sp); sp += r16((long long)C * W * NPT * sizeof(A));  // dc parts
   A* pb_s = reinterpret_cast<A*>(sp);                                                 // dbeta
   sp += r16((long long)C * NPT * sizeof(A));
-#ifndef SDM_BWD_NO_SOLO
-  // per entry (writes, then reads): 1 where its slot has no other valid entry in the chunk
-  unsigned char* fl_s = sp;
-  sp += r16((long long)2 * C * W);
-#endif
-#if defined(SDM_BWD_HEAD_LIST) && !defined(SDM_BWD_NO_SOLO)
-  // the sorted positions of the heads of runs of two or more (at most C*W of them), then
-  // their count; the scatter takes its tasks from there (the launcher's _smem counts them)
-  unsigned short* hl_s = reinterpret_cast<unsigned short*>(sp);
-  sp += r16((long long)2 * C * W);
-  int* nh_s = reinterpret_cast<int*>(sp);
-  sp += 16;
-#endif
   T* SN_s = reinterpret_cast<T*>(sp);   // C*W snapshot rows of the tile (only when staged)
   // ssnap == 2 (the dM stage): after SN_s, the C*W dM rows of the chunk's write entries and the
   // C*W bank rows of its reads (row 0 where a write of the chunk links the read, or its id is bad)
@@ -385,6 +373,11 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
     const A* ev = nnz <= BE_STAGE ? g.ev : sp_val + chunk * 2 * C * C;
     const unsigned char* ec = nnz <= BE_STAGE ? g.ec : sp_col + chunk * CS;
     const int TP = L * NPC, total = TP * WS;
+#ifdef SDM_BWD_SOLO
+    // per entry (writes, then reads): 1 where its slot has no other valid entry in the chunk;
+    // 2*Ne bytes over the read links (Ne ints), which nothing reads after round 1
+    unsigned char* const fl_s = reinterpret_cast<unsigned char*>(g.rl);
+#endif
 
     // 1: snapshots and dM of the written rows, M0 of the read rows. Every load is issued
     // without a branch (a bad id reads row 0 and its result is discarded by a select), and
@@ -686,9 +679,6 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
         }
       }
     };
-#if defined(SDM_BWD_HEAD_LIST) && !defined(SDM_BWD_NO_SOLO)
-    if (threadIdx.x == 0) *nh_s = 0;   // the last chunk's scatter read it before its barrier
-#endif
     if (dst) round1d();
     else if (sst) round1s();
     else if (fast) round1(BoolC<true>());
@@ -710,7 +700,7 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
 #pragma unroll
       for (int i = 0; i < N; ++i) U_s[t * TWP + cc + i] = u[i];
     }
-#ifndef SDM_BWD_NO_SOLO
+#ifdef SDM_BWD_SOLO
     // solo entries: the only valid entry of their slot in the chunk (a run of one). Round 2
     // adds their terms to dM itself (a write's right after its own dM loads: no other entry
     // of the chunk reads that row), and the scatter skips them
@@ -718,10 +708,6 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
       const int code = g.srt[ps];
       const bool last = ps + 1 == 2 * Ne || (g.srt[ps + 1] & B_RUN_HEAD);
       fl_s[code & B_QMASK] = (code & B_RUN_HEAD) && last && !(code & B_RUN_BAD);
-#if defined(SDM_BWD_HEAD_LIST)
-      if ((code & B_RUN_HEAD) && !last && !(code & B_RUN_BAD))
-        hl_s[atomicAdd(nh_s, 1)] = (unsigned short)ps;   // any order: one head per slot
-#endif
     }
 #endif
     __syncthreads();
@@ -741,7 +727,7 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
         for (int i = 0; i < N; ++i) D_s[t * TWP + cc + i] += f * R_s[s * TWP + cc + i];
       }
     }
-#if !defined(SDM_BWD_NO_SOLO) && SDM_BWD_SOLO_READS == 2
+#if defined(SDM_BWD_SOLO) && SDM_BWD_SOLO_READS == 2
     // the solo reads' terms c dr_t: no entry of the chunk reads their dM rows, so they go out
     // now, one task per (entry, piece) (the threads with no task above start here)
     for (int task = threadIdx.x; task < Ne * NPC; task += blockDim.x) {
@@ -848,7 +834,7 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
 #pragma unroll
                 for (int i = 0; i < N; ++i) sa += zu[i] * gg[i] + dx[i] * m[i];
                 pa_s[e * NPT + pc] = okk[k] ? sa : A(0);
-#ifndef SDM_BWD_NO_SOLO
+#ifdef SDM_BWD_SOLO
                 if (okk[k] && fl_s[e])
                   solo_grad<N>(dM_b + (long long)idk[k] * D + cc, gg, -g.aw[e] * bt,
                                Z_s + t * TWP + cc, N, true);
@@ -880,13 +866,13 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
 #pragma unroll
           for (int i = 0; i < N; ++i) sa += zu[i] * gg[i] + dx[i] * m[i];
           pa_s[e * NPT + pc] = ok ? sa : A(0);
-#ifndef SDM_BWD_NO_SOLO
+#ifdef SDM_BWD_SOLO
           if (ok && fl_s[e])
             solo_grad<N>(dM_b + (long long)id * D + cc, gg, -g.aw[e] * bt, Z_s + t * TWP + cc,
                          nv, F || vg);
 #endif
         }
-#if !defined(SDM_BWD_NO_SOLO) && SDM_BWD_SOLO_READS == 1
+#if defined(SDM_BWD_SOLO) && SDM_BWD_SOLO_READS == 1
         // the solo reads' terms: their rows are not read in this chunk, so they go to dM now
         for (int w = ws; w < W; w += WS) {
           const int e = t * W + w;
@@ -956,19 +942,15 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
     // scatter into dM: one thread per (run head, piece) sums its run in entry order
 #if defined(SDM_BWD_PROBE_SC) && SDM_BWD_PROBE_SC == 2   // diagnostic, wrong results: none
     for (int task = threadIdx.x; task < 0; task += blockDim.x) {
-#elif defined(SDM_BWD_HEAD_LIST) && !defined(SDM_BWD_NO_SOLO)
-    for (int task = threadIdx.x, nh = *nh_s; task < nh * NPC; task += blockDim.x) {
-      const int hix = divNPC.div(task), ps = hl_s[hix], code = g.srt[ps];
-      const int cc = (task - hix * NPC) * N, nv = min(N, tw - cc);
 #else
     for (int task = threadIdx.x; task < 2 * Ne * NPC; task += blockDim.x) {
+#endif
       const int ps = divNPC.div(task), code = g.srt[ps];
       if (!(code & B_RUN_HEAD) || (code & B_RUN_BAD)) continue;
-#ifndef SDM_BWD_NO_SOLO
+#ifdef SDM_BWD_SOLO
       if (fl_s[code & B_QMASK]) continue;   // round 2 added its term
 #endif
       const int cc = (task - ps * NPC) * N, nv = min(N, tw - cc);
-#endif
       const int q = code & B_QMASK;
       A acc[N];
 #pragma unroll

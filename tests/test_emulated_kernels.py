@@ -489,14 +489,14 @@ SOLO_CASES = {
 
 @pytest.mark.parametrize("case", list(SOLO_CASES))
 def test_backward_solo_entries_are_bitwise_the_scatter(rng, monkeypatch, case):
-    """The backward adds a solo entry's term (the only valid entry of its slot in the chunk)
-    outside the scatter: a write's in round 2, to the dM piece it has just loaded; the reads'
-    in the phase after u (or, -DSDM_BWD_SOLO_READS=1, in round 2); -DSDM_BWD_HEAD_LIST lists
-    the heads of the longer runs for the scatter. Against -DSDM_BWD_NO_SOLO,
-    where the scatter adds every run: the grad bank (from a nonzero incoming one), the value
-    gradients and the rewound bank bit for bit the same (one column tile: the weight grads'
-    atomics add in one order, so they are compared too), with solo and repeated slots in one
-    chunk, partial pieces, a 16-bit grad bank and backward ranges; all match the reference."""
+    """-DSDM_BWD_SOLO: the backward adds a solo entry's term (the only valid entry of its slot
+    in the chunk) outside the scatter: a write's in round 2, to the dM piece it has just
+    loaded; the reads' in the phase after u (or, -DSDM_BWD_SOLO_READS=1, in round 2); its flags
+    overwrite the chunk's read links. Against the default build, where the scatter adds every
+    run: the grad bank (from a nonzero incoming one), the value gradients and the rewound bank
+    bit for bit the same (one column tile: the weight grads' atomics add in one order, so they
+    are compared too), with solo and repeated slots in one chunk, partial pieces, a 16-bit
+    grad bank and backward ranges; all match the reference."""
     from sdm_cupy.kernels import gpu
     pkw, ckw, kn = SOLO_CASES[case]
     pb = make_problem(rng, **pkw)
@@ -507,8 +507,8 @@ def test_backward_solo_entries_are_bitwise_the_scatter(rng, monkeypatch, case):
     outs = []
     with _gpu_knobs(**kn, BWD_TILE_WIDTH=pb.hd):
         # the other two forms for float32 only (each macro set is a build of its own)
-        forms = ((), ("-DSDM_BWD_NO_SOLO",)) + (
-            (("-DSDM_BWD_SOLO_READS=1",), ("-DSDM_BWD_HEAD_LIST",)) if case == "f32" else ())
+        forms = ((), ("-DSDM_BWD_SOLO",)) + (
+            (("-DSDM_BWD_SOLO", "-DSDM_BWD_SOLO_READS=1"),) if case == "f32" else ())
         for k, macros in enumerate(forms):
             err = emu.patch(monkeypatch, seed=k * 7919 + 11, macros=macros)
             if k == 0:   # not vacuous: chunk 0 holds a solo slot and a repeated one
@@ -519,8 +519,8 @@ def test_backward_solo_entries_are_bitwise_the_scatter(rng, monkeypatch, case):
             r, fin, g, rewound = _run(pb, cfg, dr, dM)
             assert err[0] == 0
             outs.append([np.asarray(a).view(np.uint8).copy() for a in (*g, rewound)])
-    for k, name in list(enumerate(("the scatter of every run", "solo reads in round 2",
-                                   "the scatter's list of heads"), 1))[:len(outs) - 1]:
+    for k, name in list(enumerate(("the solo form", "its solo reads in round 2"),
+                                  1))[:len(outs) - 1]:
         for what, a, b in zip(GRADS + ("rewound bank",), outs[0], outs[k]):
             assert np.array_equal(a, b), f"{case}: {what} differs from {name}"
     _, gtol = max(TOL[pb.bank.dtype], TOL[pb.values.dtype])

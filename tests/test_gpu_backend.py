@@ -268,8 +268,8 @@ _VARIANTS = {"general_gather": "-DSDM_FWD_GENERAL_GATHER",
              "no_l2_prefetch": "-DSDM_L2_PREFETCH=0", "l2_prefetch_64": "-DSDM_L2_PREFETCH=64",
              "stagger": "-DSDM_FWD_STAGGER=5000 -DSDM_BWD_STAGGER=20000",
              "stagger_4": "-DSDM_FWD_STAGGER=5000 -DSDM_BWD_STAGGER=20000 -DSDM_STAGGER_PHASES=4",
-             "no_solo": "-DSDM_BWD_NO_SOLO", "solo_reads_in_round_2": "-DSDM_BWD_SOLO_READS=1",
-             "head_list": "-DSDM_BWD_HEAD_LIST"}
+             "solo": "-DSDM_BWD_SOLO",
+             "solo_reads_in_round_2": "-DSDM_BWD_SOLO -DSDM_BWD_SOLO_READS=1"}
 # the late copies are the default for 2-byte banks only: the early-copies variant changes
 # nothing for float32 banks and the late-for-every-type one nothing for bfloat16 banks
 _SAME_BUILD = {("early_copies", "f32"), ("late_wide", "bf16")}
@@ -288,8 +288,8 @@ def test_compile_time_variants_leave_results_bitwise_equal(rng, monkeypatch, var
     array; its next chunk's copies issued before the row copies (bfloat16) or after them
     (float32); the backward's snapshots read from global memory instead of staged; the row
     gathers' L2 prefetch size; the blocks of odd (b, p), or of (b, p) mod 4 > 0, sleeping before
-    their first chunk; the backward's scatter adding every run, solo ones included, or the
-    solo reads' terms added in round 2, or its tasks from a list of the longer runs' heads)
+    their first chunk; the backward's solo entries added to dM outside its scatter, their reads
+    after u or in round 2)
     change no bit of the forward (with snapshots), of the backward's exact-owner gradients
     (bank, values) or of the rewound bank."""
     pb = make_problem(rng, B=2, T=150, P=2, hd=32, S=300, W=12, dtype=dtype)
