@@ -9,6 +9,7 @@
 #         sc1: the dM scatter walks its runs but adds nothing; sc2: no scatter; pesc2: neither
 # STEPS="rows last" (the default), at W (default 16).
 # Stop 47 (H100, W = 16, rows): a1 -2.2%, a2 -8.1%, r2 -4.8%, a2r2 -10.6% (RESULTS).
+# Stop 48 (H100, W = 16, last): pe -0.8%, sc1 -16.7%, sc2 -29.5%, pesc2 -36.0% (RESULTS).
 # Run from the repository root, carrying .whl: BUDGET=400 ABT=190 bash benchmarks/bwd_bound.sh
 set -u
 cd "$(dirname "$0")/.."
