@@ -165,15 +165,21 @@ __device__ __forceinline__ void add_grad(Gt* __restrict__ p, const A (&g)[N], in
 // dM[row piece] of a solo write entry (round 2 holds the piece, `old`, and no other entry of
 // the chunk touches the row): old + the term f z that the scatter would add, with the same
 // bits as add_grad's atomic or read-modify-write (the atomic flushes subnormals, this does not)
+// f x as the scatter's sum of a run of one: accumulated from zero (the same bits)
+template <int N, typename A>
+__device__ __forceinline__ void solo_term(A (&acc)[N], A f, const A* x) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    acc[i] = A(0);
+    acc[i] += f * x[i];
+  }
+}
+
 template <int N, typename A, typename Gt>
 __device__ __forceinline__ void solo_grad(Gt* __restrict__ p, const A (&old)[N], A f,
                                           const A* z, int nv, bool vec) {
   A acc[N];
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    acc[i] = A(0);
-    acc[i] += f * z[i];
-  }
+  solo_term<N>(acc, f, z);
   if constexpr (sizeof(Gt) >= 4) {
     Gt v[N];
 #pragma unroll
@@ -734,13 +740,8 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
       const int e = divNPC.div(task);
       if (!fl_s[Ne + e]) continue;
       const int cc = (task - e * NPC) * N, nv = min(N, tw - cc), t = divW.div(e);
-      const A f = g.cw[e];
       A acc[N];
-#pragma unroll
-      for (int i = 0; i < N; ++i) {
-        acc[i] = A(0);
-        acc[i] += f * R_s[t * TWP + cc + i];
-      }
+      solo_term<N>(acc, g.cw[e], R_s + t * TWP + cc);
       add_grad<N>(dM_b + (long long)g.rid[e] * D + cc, acc, nv, vg);
     }
 #endif
@@ -877,13 +878,8 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
         for (int w = ws; w < W; w += WS) {
           const int e = t * W + w;
           if (!fl_s[Ne + e]) continue;
-          const A f = g.cw[e];
           A acc[N];
-#pragma unroll
-          for (int i = 0; i < N; ++i) {
-            acc[i] = A(0);
-            acc[i] += f * R_s[t * TWP + cc + i];
-          }
+          solo_term<N>(acc, g.cw[e], R_s + t * TWP + cc);
           add_grad<N>(dM_b + (long long)g.rid[e] * D + cc, acc, nv, F || vg);
         }
 #endif
