@@ -162,9 +162,6 @@ __device__ __forceinline__ void add_grad(Gt* __restrict__ p, const A (&g)[N], in
   }
 }
 
-// dM[row piece] of a solo write entry (round 2 holds the piece, `old`, and no other entry of
-// the chunk touches the row): old + the term f z that the scatter would add, with the same
-// bits as add_grad's atomic or read-modify-write (the atomic flushes subnormals, this does not)
 // f x as the scatter's sum of a run of one: accumulated from zero (the same bits)
 template <int N, typename A>
 __device__ __forceinline__ void solo_term(A (&acc)[N], A f, const A* x) {
@@ -175,6 +172,9 @@ __device__ __forceinline__ void solo_term(A (&acc)[N], A f, const A* x) {
   }
 }
 
+// dM[row piece] of a solo write entry (round 2 holds the piece, `old`, and no other entry of
+// the chunk touches the row): old + the term f z that the scatter would add, with the same
+// bits as add_grad's atomic or read-modify-write (the atomic flushes subnormals, this does not)
 template <int N, typename A, typename Gt>
 __device__ __forceinline__ void solo_grad(Gt* __restrict__ p, const A (&old)[N], A f,
                                           const A* z, int nv, bool vec) {

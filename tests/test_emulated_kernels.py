@@ -519,9 +519,8 @@ def test_backward_solo_entries_are_bitwise_the_scatter(rng, monkeypatch, case):
             r, fin, g, rewound = _run(pb, cfg, dr, dM)
             assert err[0] == 0
             outs.append([np.asarray(a).view(np.uint8).copy() for a in (*g, rewound)])
-    for k, name in list(enumerate(("the solo form", "its solo reads in round 2"),
-                                  1))[:len(outs) - 1]:
-        for what, a, b in zip(GRADS + ("rewound bank",), outs[0], outs[k]):
+    for out, name in zip(outs[1:], ("the solo form", "its solo reads in round 2")):
+        for what, a, b in zip(GRADS + ("rewound bank",), outs[0], out):
             assert np.array_equal(a, b), f"{case}: {what} differs from {name}"
     _, gtol = max(TOL[pb.bank.dtype], TOL[pb.values.dtype])
     for name, got, want in zip(GRADS, g, reference_bwd(pb, dr, dM)):
