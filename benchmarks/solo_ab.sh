@@ -4,8 +4,9 @@
 # dM scatter: 0.82 ms its atomics (most of them the grad bank's floor bytes), 0.62 ms its run
 # walks. About 94% of a chunk's runs hold one entry at the headline; with -DSDM_BWD_SOLO round
 # 2 adds a solo write's term to the dM piece it has just loaded, the solo reads' terms go out
-# in the phase after u, and the scatter walks only runs of two or more. (Stop 19 tried the
-# writes' half alone, RESULTS: -2.1% at the headline, +1.8% at W = 8.)
+# in the phase after u, and the scatter walks only runs of two or more; on the fast path only
+# since stop 49 (+88 instructions at the headline, not +1,136). (Stop 19 tried the writes'
+# half alone, RESULTS: -2.1% at the headline, +1.8% at W = 8.)
 # Graph replays of forward+backward, checked bit for bit against main's build (first):
 #   base  main        solo  -DSDM_BWD_SOLO        r1  ... with the solo reads in round 2
 # at W = 16 and 8, then the GPU suite with the time left (SUITE=0: none; SUITE_S caps).

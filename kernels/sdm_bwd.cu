@@ -50,8 +50,9 @@ constexpr int BG = SDM_BWD_GB;
 // -DSDM_BWD_SOLO (stop 48, not yet timed on a GPU): solo entries (the only valid entry of
 // their slot in a chunk) skip the scatter. Round 2 adds a write's term to the dM piece it has
 // just loaded, the reads' terms go out in the phase after u (-DSDM_BWD_SOLO_READS=2) or in
-// round 2 (=1), and the scatter walks only the runs of two or more. Without it the scatter adds
-// every run's sum
+// round 2 (=1), and the scatter walks only the runs of two or more. Only on the fast path
+// (whole, aligned pieces: one form of each store); elsewhere, and without the macro, the
+// scatter adds every run's sum
 #ifndef SDM_BWD_SOLO_READS
 #define SDM_BWD_SOLO_READS 2
 #endif
@@ -713,7 +714,7 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
     for (int ps = threadIdx.x; ps < 2 * Ne; ps += blockDim.x) {
       const int code = g.srt[ps];
       const bool last = ps + 1 == 2 * Ne || (g.srt[ps + 1] & B_RUN_HEAD);
-      fl_s[code & B_QMASK] = (code & B_RUN_HEAD) && last && !(code & B_RUN_BAD);
+      fl_s[code & B_QMASK] = fast && (code & B_RUN_HEAD) && last && !(code & B_RUN_BAD);
     }
 #endif
     __syncthreads();
@@ -736,13 +737,13 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
 #if defined(SDM_BWD_SOLO) && SDM_BWD_SOLO_READS == 2
     // the solo reads' terms c dr_t: no entry of the chunk reads their dM rows, so they go out
     // now, one task per (entry, piece) (the threads with no task above start here)
-    for (int task = threadIdx.x; task < Ne * NPC; task += blockDim.x) {
+    for (int task = threadIdx.x; fast && task < Ne * NPC; task += blockDim.x) {
       const int e = divNPC.div(task);
       if (!fl_s[Ne + e]) continue;
-      const int cc = (task - e * NPC) * N, nv = min(N, tw - cc), t = divW.div(e);
+      const int cc = (task - e * NPC) * N, t = divW.div(e);
       A acc[N];
       solo_term<N>(acc, g.cw[e], R_s + t * TWP + cc);
-      add_grad<N>(dM_b + (long long)g.rid[e] * D + cc, acc, nv, vg);
+      add_grad<N>(dM_b + (long long)g.rid[e] * D + cc, acc, N, true);
     }
 #endif
     __syncthreads();
@@ -868,19 +869,20 @@ sdm_bwd_kernel(T* __restrict__ bank, const I* __restrict__ wi, const A* __restri
           for (int i = 0; i < N; ++i) sa += zu[i] * gg[i] + dx[i] * m[i];
           pa_s[e * NPT + pc] = ok ? sa : A(0);
 #ifdef SDM_BWD_SOLO
-          if (ok && fl_s[e])
-            solo_grad<N>(dM_b + (long long)id * D + cc, gg, -g.aw[e] * bt, Z_s + t * TWP + cc,
-                         nv, F || vg);
+          if constexpr (F)
+            if (ok && fl_s[e])
+              solo_grad<N>(dM_b + (long long)id * D + cc, gg, -g.aw[e] * bt, Z_s + t * TWP + cc,
+                           N, true);
 #endif
         }
 #if defined(SDM_BWD_SOLO) && SDM_BWD_SOLO_READS == 1
         // the solo reads' terms: their rows are not read in this chunk, so they go to dM now
-        for (int w = ws; w < W; w += WS) {
+        for (int w = ws; F && w < W; w += WS) {
           const int e = t * W + w;
           if (!fl_s[Ne + e]) continue;
           A acc[N];
           solo_term<N>(acc, g.cw[e], R_s + t * TWP + cc);
-          add_grad<N>(dM_b + (long long)g.rid[e] * D + cc, acc, nv, F || vg);
+          add_grad<N>(dM_b + (long long)g.rid[e] * D + cc, acc, N, true);
         }
 #endif
       }

@@ -495,8 +495,9 @@ def test_backward_solo_entries_are_bitwise_the_scatter(rng, monkeypatch, case):
     overwrite the chunk's read links. Against the default build, where the scatter adds every
     run: the grad bank (from a nonzero incoming one), the value gradients and the rewound bank
     bit for bit the same (one column tile: the weight grads' atomics add in one order, so they
-    are compared too), with solo and repeated slots in one chunk, partial pieces, a 16-bit
-    grad bank and backward ranges; all match the reference."""
+    are compared too), with solo and repeated slots in one chunk, partial pieces (off the fast
+    path, where the solo form leaves every run to the scatter), a 16-bit grad bank and backward
+    ranges; all match the reference."""
     from sdm_cupy.kernels import gpu
     pkw, ckw, kn = SOLO_CASES[case]
     pb = make_problem(rng, **pkw)
