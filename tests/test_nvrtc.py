@@ -174,6 +174,21 @@ def test_prepass_variants_compile_for_sm90(macro):
         assert "warning" not in log.lower(), log[:3000]
 
 
+@pytest.mark.parametrize("macros", [("-DSDM_BWD_SOLO",),
+                                    ("-DSDM_BWD_SOLO", "-DSDM_BWD_SOLO_READS=1")],
+                         ids=["solo", "solo_reads_in_round_2"])
+def test_backward_solo_forms_compile_for_sm90(macros):
+    """The backward's solo-entry forms (benchmarks/solo_ab.sh; the emulator and GPU tests
+    compare them bit for bit with the default build) compile without a warning, for the
+    headline's module (bfloat16 bank and values, int32 ids: every grad and snapshot mode)."""
+    key = (_build.BFLOAT16, _build.BFLOAT16, _build.I32)
+    names = _build._names("bwd", key)
+    log, lowered, cubin = _build.nvrtc_compile(
+        "bwd", _build.source("bwd"), (*_build.options(), *macros), names)
+    assert len(lowered) == len(names) and len(cubin) > 0
+    assert "warning" not in log.lower(), log[:3000]
+
+
 @pytest.mark.parametrize("case", [(4, 32, 0, 512, 1), (4, 16, 1, 256, 2)])
 def test_owner_ceiling_skeleton_compiles_for_sm90(case):
     """benchmarks/owner_ceiling.py's timing skeleton (slot-owning clusters, stop 18) still
