@@ -13,6 +13,11 @@ quartiles per variant.
 ``--graph`` times replays of CUDA graphs, one captured per variant: device time alone, without
 the 0.1-0.3 ms of host time an eager call adds (and its noise).
 
+Each kernel instance a variant launches is compiled alone (``cupy.RawModule`` with that one
+name expression), not in its module of 6-8 instances: about 2 s instead of 19 s for the
+backward's (NVRTC, here; stop 49 found each instance's machine code byte for byte the same
+either way). ``--full-modules`` compiles whole modules, as the package does.
+
 ``@NAME=VALUE`` sets launcher knobs of ``kernels/gpu.py`` for that variant only (integers or
 None), e.g. ``t32=../kernels/sdm_fwd.cu@TILE_WIDTH=32,THREADS=512``. Variant files are
 opened relative to the working directory (``benchmarks/``, as above).
@@ -61,6 +66,17 @@ def occupancy(fn, grid, threads, smem):
         return f"? ({type(exc).__name__}: {exc})"
 
 
+def get_function_alone(src: str, key: tuple, name: str):
+    """``_build.get_function`` with each instance in a module of its own (the current
+    variant's source and options, cached in its ``K._modules``)."""
+    k = (cp.cuda.Device().id, src, key, name)
+    mod = K._modules.get(k)
+    if mod is None:
+        mod = K._modules[k] = cp.RawModule(code=K.source(src), options=K.options(),
+                                           name_expressions=[name])
+    return mod.get_function(name)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("variants", nargs="+")
@@ -84,8 +100,13 @@ def main():
     ap.add_argument("--graph", action="store_true",
                     help="time replays of each variant's call captured in a CUDA graph (device "
                          "time only) instead of eager calls")
+    ap.add_argument("--full-modules", action="store_true",
+                    help="compile whole modules, as the package does, instead of each launched "
+                         "instance alone")
     args = ap.parse_args()
     gpu.THREADS = args.threads
+    if not args.full_modules:
+        K.get_function = get_function_alone
     B, T, P, hd, S, C = 4, 4096, 8, args.hd, args.S, args.C
     bank, wi, ww, v, beta, ri, rw, dr = make_inputs(B, T, P, hd, S, args.W)
     if args.float32:
