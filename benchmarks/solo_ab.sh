@@ -9,15 +9,16 @@
 # half alone, RESULTS: -2.1% at the headline, +1.8% at W = 8.)
 # Graph replays of forward+backward, checked bit for bit against main's build (first):
 #   base  main        solo  -DSDM_BWD_SOLO        r1  ... with the solo reads in round 2
-# at W = 16 and 8; on an H200, main's headline with FLA's anchor (bench_gpu.py --quick, at
-# most BENCH_S s, default 200; BENCH=0: none; the last H200 headline is stop 31's); then the
-# GPU suite with the time left (SUITE=0: none; SUITE_S caps).
+# at W = 16, 8 and 32 (WS; fwd_ab.py compiles each instance alone since stop 49, and CuPy's
+# cache serves the later W); on an H200, main's headline with FLA's anchor (bench_gpu.py
+# --quick, at most BENCH_S s, default 200; BENCH=0: none; the last H200 headline is stop
+# 31's); then the GPU suite with the time left (SUITE=0: none; SUITE_S caps).
 # Run from the repository root, carrying .whl: BUDGET=560 ABT=200 bash benchmarks/solo_ab.sh
 set -u
 cd "$(dirname "$0")/.."
 BUDGET=${BUDGET:-560}
 . benchmarks/device_lib.sh
-for w in ${WS:-16 8}; do
+for w in ${WS:-16 8 32}; do
   ab base=$B solo=$B:-DSDM_BWD_SOLO r1="$B:-DSDM_BWD_SOLO -DSDM_BWD_SOLO_READS=1" base2=$B \
      --source bwd --graph --backward --check --W $w --reps 8
 done
