@@ -7,7 +7,9 @@ cached under ``SDM_EMU_CACHE`` (default ``~/.cache/sdm-cupy-emu``), at ``-O0`` u
 ``SDM_EMU_OPT`` names another g++ level (``EMU_OPT``); ``SDM_EMU_ASAN=1`` builds
 with AddressSanitizer (the process must then run with libasan preloaded: ``asan_env()``).
 ``SDM_EMU_KERNELS`` names another directory to take the ``.cu`` sources from (the
-mutation runs of ``tests/emu/mutants.py``). ``patch(monkeypatch)`` patches ``sdm_cupy.kernels.gpu`` so that ``gpu.sdm_fwd`` /
+mutation runs of ``tests/emu/mutants.py``); ``SDM_EMU_MACROS`` adds compile-time options to
+the builds of test_emulated_kernels.py's ``emulated`` fixture (a variant against the
+reference, e.g. ``SDM_EMU_MACROS=-DSDM_BWD_SOLO``). ``patch(monkeypatch)`` patches ``sdm_cupy.kernels.gpu`` so that ``gpu.sdm_fwd`` /
 ``gpu.sdm_bwd`` / the batch functions run here, every launch on the emulator with a seed that
 orders its blocks and threads. The emulator checks barriers, warp operations and cp.async
 waits (see the header); what it cannot see is anything about speed, the memory model between

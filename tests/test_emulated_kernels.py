@@ -58,9 +58,13 @@ def _prebuilt():
 
 @pytest.fixture
 def emulated(monkeypatch):
-    """gpu.* launching on the emulator; returns (the knob setter, the error word)."""
+    """gpu.* launching on the emulator; returns (the knob setter, the error word).
+    SDM_EMU_MACROS="-DNAME ..." builds every kernel with those compile-time options: the
+    tests on this fixture then check a variant against the reference (stop 49: both solo
+    forms of the backward, 74 passed)."""
     from sdm_cupy.kernels import gpu
-    err = emu.patch(monkeypatch, seed=int.from_bytes(os.urandom(4), "little"))
+    err = emu.patch(monkeypatch, seed=int.from_bytes(os.urandom(4), "little"),
+                    macros=tuple(os.environ.get("SDM_EMU_MACROS", "").split()))
 
     def knobs(**kw):
         for k, v in kw.items():
