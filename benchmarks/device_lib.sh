@@ -13,7 +13,8 @@
 #   run_sanitize S  benchmarks/sanitize.py, every tool (memcheck first), S seconds
 #   suite_step      the stop scripts' suite: run_suite for the time left less 10 s, at most
 #                   SUITE_S (which leaves the rest to later steps)
-#   bench_step      run_bench for the time left
+#   bench_step      run_bench for the time left, at most BENCH_S (which leaves the rest to
+#                   later steps)
 #   ab ARGS         benchmarks/fwd_ab.py ARGS in benchmarks/ (variant files relative to it) for
 #                   at most ABT seconds (default 150), its table and check lines only; the
 #                   whole output also goes to $OUT/ab.log, which comes back with the call
@@ -53,6 +54,7 @@ suite_step() {
 }
 bench_step() {
   local L=$(left)
-  echo "== bench, ${L} s left"
+  L=$(( ${BENCH_S:-$L} < L ? ${BENCH_S:-$L} : L ))
+  echo "== bench, ${L} s"
   run_bench $L
 }

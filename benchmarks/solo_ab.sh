@@ -22,10 +22,7 @@ for w in ${WS:-16 8 32}; do
   ab base=$B solo=$B:-DSDM_BWD_SOLO r1="$B:-DSDM_BWD_SOLO -DSDM_BWD_SOLO_READS=1" base2=$B \
      --source bwd --graph --backward --check --W $w --reps 8
 done
-if [ "${BENCH:-1}" = 1 ] && nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
-  L=$(( $(left) - 40 )); L=$(( ${BENCH_S:-200} < L ? ${BENCH_S:-200} : L ))
-  echo "== bench (H200), ${L} s"
-  [ $L -gt 60 ] && run_bench $L
-fi
+[ "${BENCH:-1}" = 1 ] && nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 &&
+  BENCH_S=${BENCH_S:-200} bench_step
 [ "${SUITE:-1}" = 1 ] && suite_step
 echo "total $(( $(date +%s) - T0 )) s"

@@ -135,6 +135,16 @@ def test_all_kernels_compile_for_sm90():
 EARLY = {"test_all_kernels_compile_for_sm90": _start_compile_all}
 
 
+def _compiles_cleanly(src: str, key: tuple, *macros: str) -> None:
+    """The module of (src, key) with extra compile-time options lowers every name, gives a
+    cubin and no warning (sm_90)."""
+    names = _build._names(src, key)
+    log, lowered, cubin = _build.nvrtc_compile(src, _build.source(src),
+                                               (*_build.options(), *macros), names)
+    assert len(lowered) == len(names) and len(cubin) > 0
+    assert "warning" not in log.lower(), log[:3000]
+
+
 def test_forward_compiles_for_sm75_without_cp_async():
     """Before sm_80 the forward stages its next chunk with plain copies (no cp.async): that
     branch of sdm_fwd.cu and the sparse pre-pass compile too (one dtype key each)."""
@@ -151,12 +161,8 @@ def test_forward_cluster_experiment_compiles_for_sm90():
     """The forward's compile-time experiment (-DSDM_FWD_CLUSTER=8: the 8 column tiles of a
     (b, p) share their row gathers through distributed shared memory; benchmarks/fwd_ab.py
     only) still compiles, for the bf16 instances it was measured with."""
-    key = (_build.BFLOAT16, _build.BFLOAT16, _build.I32)
-    names = _build._names("fwd", key)
-    log, lowered, cubin = _build.nvrtc_compile(
-        "fwd", _build.source("fwd"), (*_build.options(), "-DSDM_FWD_CLUSTER=8"), names)
-    assert len(lowered) == len(names) and len(cubin) > 0
-    assert "warning" not in log.lower(), log[:3000]
+    _compiles_cleanly("fwd", (_build.BFLOAT16, _build.BFLOAT16, _build.I32),
+                      "-DSDM_FWD_CLUSTER=8")
 
 
 @pytest.mark.parametrize("macro", ["-DSDM_PREPASS_KEY64", "-DSDM_PREPASS_SORT_WRITES",
@@ -167,11 +173,7 @@ def test_prepass_variants_compile_for_sm90(macro):
     -DSDM_PREPASS_BOTH_BODIES (each instance holds both key widths' bodies, the form before
     stop 32); the bitwise compile-time-variant GPU test compares them with the default."""
     for key in _build.module_keys("prepass"):
-        names = _build._names("prepass", key)
-        log, lowered, cubin = _build.nvrtc_compile(
-            "prepass", _build.source("prepass"), (*_build.options(), macro), names)
-        assert len(lowered) == len(names) and len(cubin) > 0
-        assert "warning" not in log.lower(), log[:3000]
+        _compiles_cleanly("prepass", key, macro)
 
 
 @pytest.mark.parametrize("macros", [("-DSDM_BWD_SOLO",),
@@ -181,12 +183,7 @@ def test_backward_solo_forms_compile_for_sm90(macros):
     """The backward's solo-entry forms (benchmarks/solo_ab.sh; the emulator and GPU tests
     compare them bit for bit with the default build) compile without a warning, for the
     headline's module (bfloat16 bank and values, int32 ids: every grad and snapshot mode)."""
-    key = (_build.BFLOAT16, _build.BFLOAT16, _build.I32)
-    names = _build._names("bwd", key)
-    log, lowered, cubin = _build.nvrtc_compile(
-        "bwd", _build.source("bwd"), (*_build.options(), *macros), names)
-    assert len(lowered) == len(names) and len(cubin) > 0
-    assert "warning" not in log.lower(), log[:3000]
+    _compiles_cleanly("bwd", (_build.BFLOAT16, _build.BFLOAT16, _build.I32), *macros)
 
 
 @pytest.mark.parametrize("case", [(4, 32, 0, 512, 1), (4, 16, 1, 256, 2)])
